@@ -1,0 +1,37 @@
+# kv-scorer — every target creates .venv and installs the pinned dependencies first.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck proto bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kv-scorer demo --out demo-out
+
+test: $(STAMP) lint typecheck
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check scorer tests bench
+	$(VENV)/bin/ruff format --check scorer tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# Regenerate the scorer.v1 gRPC stubs (committed; tests/test_proto_stubs.py fails when stale).
+proto: $(STAMP)
+	$(PY) -m scorer.api.protogen
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache

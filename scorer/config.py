@@ -1,0 +1,245 @@
+"""One typed configuration: YAML file, then `KV_SCORER_*` environment, then CLI flags.
+
+Validated at start-up; an error names the field (`pool.workers.0.endpoint: ...`) and stops
+the process. Every field's default is documented in the README's configuration reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+ENV_PREFIX = "KV_SCORER_"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(Strict):
+    """Listening addresses (the inference extension's ports by default)."""
+
+    host: str = "0.0.0.0"
+    extproc_port: int = Field(9002, ge=0, le=65535)
+    health_port: int = Field(9003, ge=0, le=65535)
+    admin_port: int = Field(9090, ge=0, le=65535)
+    # Seconds in-flight ext_proc streams get to finish after SIGTERM.
+    grace_period_s: float = Field(10.0, ge=0)
+    # Seconds readiness reports NOT_SERVING before the servers stop accepting streams.
+    drain_delay_s: float = Field(0.0, ge=0)
+
+
+class ExtProcConfig(Strict):
+    """Envoy data-path behaviour."""
+
+    # Keep the stream open for response headers and end of stream (in-flight accounting).
+    # Off: answer at end of request and close the stream (cheaper; least_loaded then
+    # only sees scraped load).
+    track_responses: bool = True
+    # Endpoints listed after the primary in x-gateway-destination-endpoint (Envoy retries).
+    fallbacks: int = Field(0, ge=0, le=8)
+    # Add x-kv-scorer-reason / x-kv-scorer-matched-tokens request headers to the backend.
+    decision_headers: bool = False
+    # Largest request body read (bytes); bigger bodies get 413 in the OpenAI error shape.
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # Request header that marks a request sheddable (value "true"/"1") for 429 on busy_all.
+    sheddable_header: str = "x-kv-scorer-sheddable"
+
+
+class EventsEndpointConfig(Strict):
+    """A worker's ZMQ KV-event publisher (vLLM `--kv-events-config`)."""
+
+    endpoint: str  # tcp://host:port
+    # connect: we connect to the engine's bound PUB (vLLM `tcp://*:PORT`);
+    # bind: we bind and the engine connects (vLLM `tcp://host:PORT`).
+    mode: Literal["connect", "bind"] = "connect"
+    replay_endpoint: str | None = None  # vLLM `replay_endpoint` (ROUTER)
+    topic: str = ""
+
+
+class WorkerConfig(Strict):
+    """One model server."""
+
+    endpoint: str  # ip:port Envoy connects to
+    events: EventsEndpointConfig | None = None
+    metrics_url: str | None = None  # http://ip:port/metrics
+    models: list[str] = Field(default_factory=list)  # empty: whatever the pool serves
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        from scorer.pool.workers import normalize_endpoint
+
+        return normalize_endpoint(v)
+
+    @field_validator("events", mode="before")
+    @classmethod
+    def _events_str(cls, v: Any) -> Any:
+        return {"endpoint": v} if isinstance(v, str) else v
+
+
+class PoolConfig(Strict):
+    """The static worker pool."""
+
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    # Models served by the pool. Empty: accept any model name and let the workers answer.
+    models: list[str] = Field(default_factory=list)
+    # Engine block size in tokens; events and vllm:cache_config_info must agree.
+    block_size: int = Field(16, ge=1, le=4096)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_str(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"endpoint": w} if isinstance(w, str) else w for w in v]
+        return v
+
+
+class EventsConfig(Strict):
+    """KV-event ingestion (scorer.events)."""
+
+    enabled: bool = True
+    # A stream with no event for this long while its worker serves requests is "stale".
+    stale_after_s: float = Field(30.0, gt=0)
+    replay_timeout_s: float = Field(1.0, gt=0)
+    reconnect_interval_s: float = Field(0.5, gt=0)
+
+
+class IndexConfig(Strict):
+    """The block index (scorer.index) and the hash space (scorer.blocks)."""
+
+    hash: Literal["xxh3", "fnv1a"] = "xxh3"
+    # Weight of a cached block by medium (vllm-router v0.13's defaults; unknown = GPU).
+    medium_weights: dict[str, float] = Field(
+        default_factory=lambda: {"GPU": 1.0, "CPU": 0.3, "DISK": 0.05}
+    )
+    speculative_ttl_s: float = Field(2.0, ge=0)
+    max_blocks_per_worker: int = Field(2_000_000, ge=1)
+
+
+class TokenizerModelConfig(Strict):
+    tokenizer: str  # tokenizer.json, or a directory (also the HF cache layout)
+    chat_template: str | None = None  # file overriding the tokenizer's template
+
+
+class TokensConfig(Strict):
+    """Tokenizers per model (scorer.tokens). Never the network."""
+
+    models: dict[str, TokenizerModelConfig] = Field(default_factory=dict)
+    # A model without a tokenizer: "error" stops start-up (for models in pool.models),
+    # "load" routes its requests by load with reason no_tokenizer.
+    on_missing: Literal["error", "load"] = "load"
+    threads: int = Field(2, ge=1, le=64)
+    segment_cache_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    # Map LoRA adapter names to their base model (they share its tokenizer).
+    lora_base: dict[str, str] = Field(default_factory=dict)
+
+
+class LoadConfig(Strict):
+    """Metrics scraping (scorer.pool.scrape)."""
+
+    scrape_interval_s: float = Field(0.2, gt=0)
+    scrape_timeout_s: float = Field(1.0, gt=0)
+    # A scrape older than this is ignored (router in-flight accounting only).
+    stale_after_s: float = Field(2.0, gt=0)
+
+
+class DecisionsConfig(Strict):
+    log_size: int = Field(1000, ge=0)
+
+
+class Config(Strict):
+    """The whole configuration."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    extproc: ExtProcConfig = Field(default_factory=ExtProcConfig)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    tokens: TokensConfig = Field(default_factory=TokensConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
+    decisions: DecisionsConfig = Field(default_factory=DecisionsConfig)
+    policy: str = "least_loaded"
+    # Options per policy, validated by the policy's own Options model at start-up.
+    policies: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message names the field."""
+
+
+def _format(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        lines.append(f"{prefix}{loc}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge `over` into a copy of `base`; nested dicts merge, everything else replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """`KV_SCORER_SERVER__EXTPROC_PORT=9100` → {"server": {"extproc_port": "9100"}}.
+
+    `__` separates levels; values are parsed as YAML scalars/lists ("true", "[a, b]").
+    """
+    out: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        node = out
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        try:
+            node[path[-1]] = yaml.safe_load(raw) if raw else raw
+        except yaml.YAMLError:
+            node[path[-1]] = raw
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the configuration: file, then environment, then `overrides` (from flags)."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(ENV_PREFIX + "CONFIG")
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping")
+        data = loaded
+    data = deep_merge(data, env_overrides(environ))
+    if overrides:
+        data = deep_merge(data, overrides)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from e

@@ -1,0 +1,106 @@
+"""The router's own load accounting, from each request's lifecycle on the data path.
+
+routed → (response headers: prefill done, first byte) → end of stream. Like Dynamo's
+active-sequence tracking, this sees a burst before the next metrics scrape does.
+All methods run on the event loop thread; no locks are needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """In-flight counters for one worker (router's view)."""
+
+    requests: int = 0  # routed, not yet finished
+    prefill_tokens: int = 0  # prompt tokens of requests still waiting for their first byte
+    prefill_blocks: float = 0.0  # uncached prompt blocks still in prefill
+    decode_blocks: float = 0.0  # blocks held by requests that are decoding
+    routed_total: int = 0
+
+
+@dataclass(slots=True)
+class _Flight:
+    endpoint: str
+    prompt_tokens: int
+    prefill_blocks: float
+    total_blocks: float
+    in_prefill: bool = True
+
+
+@dataclass
+class InflightTracker:
+    """Per-worker in-flight requests and prompt work, keyed by request id."""
+
+    loads: dict[str, WorkerLoad] = field(default_factory=dict)
+    _flights: dict[str, _Flight] = field(default_factory=dict)
+
+    def load(self, endpoint: str) -> WorkerLoad:
+        """The counters for `endpoint` (created empty on first use)."""
+        wl = self.loads.get(endpoint)
+        if wl is None:
+            wl = self.loads[endpoint] = WorkerLoad()
+        return wl
+
+    def routed(
+        self,
+        request_id: str,
+        endpoint: str,
+        prompt_tokens: int = 0,
+        prefill_blocks: float = 0.0,
+        total_blocks: float = 0.0,
+    ) -> None:
+        """A request was sent to `endpoint`; its prompt work counts until its first byte."""
+        if request_id in self._flights:
+            self.finished(request_id)
+        wl = self.load(endpoint)
+        wl.requests += 1
+        wl.routed_total += 1
+        wl.prefill_tokens += prompt_tokens
+        wl.prefill_blocks += prefill_blocks
+        self._flights[request_id] = _Flight(endpoint, prompt_tokens, prefill_blocks, total_blocks)
+
+    def first_byte(self, request_id: str) -> None:
+        """Response headers arrived: prefill is over, the request now decodes."""
+        f = self._flights.get(request_id)
+        if f is None or not f.in_prefill:
+            return
+        f.in_prefill = False
+        wl = self.load(f.endpoint)
+        wl.prefill_tokens -= f.prompt_tokens
+        wl.prefill_blocks -= f.prefill_blocks
+        wl.decode_blocks += f.total_blocks
+
+    def moved(self, request_id: str, endpoint: str) -> None:
+        """Envoy reported it served the request on another endpoint (a fallback)."""
+        f = self._flights.get(request_id)
+        if f is None or f.endpoint == endpoint:
+            return
+        in_prefill = f.in_prefill
+        self.finished(request_id)
+        self.routed(request_id, endpoint, f.prompt_tokens, f.prefill_blocks, f.total_blocks)
+        if not in_prefill:
+            self.first_byte(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """The stream ended (normally, by error or by client reset)."""
+        f = self._flights.pop(request_id, None)
+        if f is None:
+            return
+        wl = self.load(f.endpoint)
+        wl.requests -= 1
+        if f.in_prefill:
+            wl.prefill_tokens -= f.prompt_tokens
+            wl.prefill_blocks -= f.prefill_blocks
+        else:
+            wl.decode_blocks -= f.total_blocks
+
+    def endpoint_of(self, request_id: str) -> str | None:
+        """Where an in-flight request was routed, if it is still in flight."""
+        f = self._flights.get(request_id)
+        return None if f is None else f.endpoint
+
+    def __len__(self) -> int:
+        return len(self._flights)

@@ -1,0 +1,99 @@
+"""The static worker pool from configuration, and each worker's live view."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from scorer.config import Config, WorkerConfig
+from scorer.pool.inflight import InflightTracker, WorkerLoad
+
+
+@dataclass(slots=True)
+class ScrapedLoad:
+    """The engine's own view of its load, from its Prometheus endpoint (scorer.pool.scrape)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0  # 0..1
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    at: float = 0.0  # monotonic time of the last good scrape; 0 = never
+    error: str | None = None
+    failures: int = 0
+
+
+@dataclass
+class Worker:
+    """One model server. `endpoint` is what Envoy connects to (`ip:port`)."""
+
+    config: WorkerConfig
+    inflight: WorkerLoad
+    healthy: bool = True
+    scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+
+    @property
+    def endpoint(self) -> str:
+        return self.config.endpoint
+
+    @property
+    def ip(self) -> str:
+        return self.config.endpoint.rsplit(":", 1)[0].strip("[]")
+
+    def serves(self, model: str | None) -> bool:
+        """True when the worker lists no models, or lists this one."""
+        return model is None or not self.config.models or model in self.config.models
+
+
+class Pool:
+    """All workers, plus the router's in-flight accounting shared with the data path."""
+
+    def __init__(self, workers: Iterable[WorkerConfig], models: Sequence[str] = ()) -> None:
+        self.inflight = InflightTracker()
+        self.models = frozenset(models)
+        self.workers: dict[str, Worker] = {}
+        for wc in workers:
+            self.workers[wc.endpoint] = Worker(wc, self.inflight.load(wc.endpoint))
+
+    @classmethod
+    def from_config(cls, config: Config) -> Pool:
+        return cls(config.pool.workers, config.pool.models)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.workers.values())
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def get(self, endpoint: str) -> Worker | None:
+        return self.workers.get(endpoint)
+
+    def serves_model(self, model: str | None) -> bool:
+        """A pool that lists no models accepts any model name and lets the workers answer."""
+        return model is None or not self.models or model in self.models
+
+    def eligible(self, model: str | None, subset: frozenset[str] | None) -> list[Worker]:
+        """Healthy workers that serve `model` and match the subset hint (if any)."""
+        out = []
+        for w in self.workers.values():
+            if not w.healthy or not w.serves(model):
+                continue
+            if subset is not None and not matches_subset(w, subset):
+                continue
+            out.append(w)
+        return out
+
+
+def matches_subset(worker: Worker, subset: frozenset[str]) -> bool:
+    """Subset entries are exact `ip:port` or IP-only (any port on that IP)."""
+    return worker.endpoint in subset or worker.ip in subset
+
+
+def normalize_endpoint(value: str) -> str:
+    """Validate `ip:port` (IPv6 as `[addr]:port`) and return it unchanged; raise ValueError."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint {value!r} must be ip:port")
+    ipaddress.ip_address(host.strip("[]"))
+    return value

@@ -1,0 +1,77 @@
+"""The request pipeline shared by the Envoy data path and the scorer.v1 API.
+
+eligible workers (model, health, subset) → tokens + block keys (only when the policy
+needs them, in a thread pool) → policy.decide → bookkeeping (decision log, in-flight).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from scorer.decisions import DecisionLog
+from scorer.policy.base import Policy
+from scorer.pool.workers import Pool
+from scorer.routing import Decision, Reason, RoutingRequest, refuse
+
+
+class RequestPreparer(Protocol):
+    """Fills `token_ids`, `block_keys`, `block_size` and `prompt_tokens` of a request.
+
+    Implemented by scorer.tokens. Leaves `token_ids` None when the model has no tokenizer
+    (the policy then routes by load with reason no_tokenizer) and sets `tokenize_error`
+    when the body cannot be rendered.
+    """
+
+    async def prepare(self, request: RoutingRequest) -> None: ...
+
+
+class Router:
+    """Turns a RoutingRequest into a Decision and records it."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        policy: Policy,
+        decisions: DecisionLog | None = None,
+        preparer: RequestPreparer | None = None,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.decisions = decisions if decisions is not None else DecisionLog()
+        self.preparer = preparer
+
+    async def route(self, request: RoutingRequest) -> Decision:
+        """Decide where `request` goes; never raises for a routable request."""
+        t0 = time.perf_counter()
+        candidates = self.pool.eligible(request.model, request.subset)
+        if not candidates:
+            if request.subset is not None and self.pool.eligible(request.model, None):
+                d = refuse(
+                    self.policy.name,
+                    Reason.SUBSET_EMPTY,
+                    503,
+                    "no eligible endpoint matches the subset hint",
+                )
+            else:
+                d = refuse(
+                    self.policy.name,
+                    Reason.NO_WORKERS,
+                    503,
+                    f"no healthy endpoint serves model {request.model!r}",
+                )
+        else:
+            t_tok = time.perf_counter()
+            if self.policy.needs_tokens and self.preparer is not None and request.body:
+                await self.preparer.prepare(request)
+            t_dec = time.perf_counter()
+            d = self.policy.decide(request, candidates)
+            t_end = time.perf_counter()
+            d.stages.setdefault("tokenize", t_dec - t_tok)
+            d.stages.setdefault("policy", t_end - t_dec)
+        d.request_id = request.request_id
+        d.model = request.model
+        d.request_tokens = d.request_tokens or request.prompt_tokens
+        d.stages["total"] = time.perf_counter() - t0
+        self.decisions.add(d)
+        return d

@@ -1,0 +1,147 @@
+"""What a routing decision takes in and gives back.
+
+`RoutingRequest` is built by the data path (`scorer.extproc`) or the `scorer.v1` gRPC API;
+`Decision` is returned by a policy and carries its own explanation, so every consumer
+(headers, `/debug/decisions`, metrics, the `Score` RPC) reports the same facts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Reason(StrEnum):
+    """Why the winner won (or why nobody did). Stable strings: they are metric labels."""
+
+    KV_HIT = "kv_hit"  # the winner holds the most useful cached prefix
+    LOAD = "load"  # no useful cache anywhere: the least loaded won
+    SESSION = "session"  # an existing session binding was honoured
+    SESSION_NEW = "session_new"  # a new session was placed (rendezvous hashing)
+    BUSY_ALL = "busy_all"  # every candidate was over a busy threshold: least-bad won
+    NO_TOKENIZER = "no_tokenizer"  # no tokenizer for the model: routed by load
+    STALE_EVENTS = "stale_events"  # cache credit reduced: a stream is silent or has a gap
+    SUBSET_EMPTY = "subset_empty"  # the subset hint matched no eligible worker (503)
+    NO_WORKERS = "no_workers"  # no healthy worker serves the model (503)
+    NO_BODY = "no_body"  # request without a body (GET /v1/models): routed by load
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    SHED = "shed"  # sheddable request refused because every worker is busy (429)
+    BAD_REQUEST = "bad_request"  # unparseable body or missing model (400)
+    TOKENIZE_ERROR = "tokenize_error"  # the prompt could not be rendered: routed by load
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """One request as the policies see it. Token and block fields are filled lazily."""
+
+    request_id: str
+    model: str | None = None
+    path: str = "/"
+    method: str = "POST"
+    body: dict[str, Any] | None = None
+    # Subset hint from Envoy: exact "ip:port" entries and IP-only entries. None = no hint.
+    subset: frozenset[str] | None = None
+    session_id: str | None = None
+    lora: str | None = None
+    cache_salt: str | None = None
+    sheddable: bool = False
+    # Filled by the tokens stage (None until then, or when no tokenizer applies).
+    token_ids: list[int] | None = None
+    block_keys: list[int] | None = None
+    block_size: int = 0
+    prompt_tokens: int = 0  # exact when tokenized, else an estimate from the body size
+    tokenize_error: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class CandidateScore:
+    """One worker's view in a decision: what it had cached, how loaded it was, its cost."""
+
+    endpoint: str
+    matched_blocks: int = 0
+    matched_tokens: int = 0
+    overlap_by_medium: dict[str, int] = field(default_factory=dict)
+    weighted_overlap: float = 0.0
+    credit: float = 1.0  # multiplier on cache credit (decay, stale stream penalty)
+    inflight: int = 0
+    prefill_blocks: float = 0.0
+    decode_blocks: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    cost: float | None = None
+    filtered: str | None = None  # why it was removed before scoring (busy, subset, ...)
+    note: str | None = None  # e.g. "stale_events" when its credit was reduced
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view (used by /debug/decisions and the Score RPC)."""
+        return {
+            "endpoint": self.endpoint,
+            "matched_blocks": self.matched_blocks,
+            "matched_tokens": self.matched_tokens,
+            "overlap_by_medium": dict(self.overlap_by_medium),
+            "weighted_overlap": round(self.weighted_overlap, 3),
+            "credit": round(self.credit, 4),
+            "inflight": self.inflight,
+            "prefill_blocks": round(self.prefill_blocks, 2),
+            "decode_blocks": round(self.decode_blocks, 2),
+            "waiting": self.waiting,
+            "kv_usage": round(self.kv_usage, 4),
+            "cost": None if self.cost is None else round(self.cost, 3),
+            "filtered": self.filtered,
+            "note": self.note,
+        }
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's answer. `endpoints[0]` is primary, the rest are fallbacks.
+
+    An empty `endpoints` means the request is refused with `status` (503 or 429).
+    """
+
+    endpoints: list[str]
+    reason: Reason
+    policy: str
+    candidates: list[CandidateScore] = field(default_factory=list)
+    matched_tokens: int = 0
+    request_tokens: int = 0
+    status: int = 200
+    message: str = ""
+    notes: list[str] = field(default_factory=list)  # secondary reasons (e.g. stale_events)
+    stages: dict[str, float] = field(default_factory=dict)  # stage -> seconds
+    request_id: str = ""
+    model: str | None = None
+    at: float = field(default_factory=time.time)
+
+    @property
+    def endpoint(self) -> str | None:
+        """The primary endpoint, or None when refused."""
+        return self.endpoints[0] if self.endpoints else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view for /debug/decisions."""
+        return {
+            "at": self.at,
+            "request_id": self.request_id,
+            "model": self.model,
+            "policy": self.policy,
+            "endpoint": self.endpoint,
+            "endpoints": list(self.endpoints),
+            "reason": str(self.reason),
+            "notes": list(self.notes),
+            "status": self.status,
+            "message": self.message,
+            "matched_tokens": self.matched_tokens,
+            "request_tokens": self.request_tokens,
+            "stages_us": {k: round(v * 1e6, 1) for k, v in self.stages.items()},
+            "candidates": [c.as_dict() for c in self.candidates],
+        }
+
+
+def refuse(policy: str, reason: Reason, status: int, message: str) -> Decision:
+    """A decision that routes nowhere (503 no endpoint, 429 shed)."""
+    return Decision(endpoints=[], reason=reason, policy=policy, status=status, message=message)
