@@ -1,0 +1,167 @@
+"""Block keys: the ONE hash space shared by requests and KV events.
+
+Block key i = H(key i-1 (or the chain's parent, or 0), namespace, token ids of block i).
+Requests hash their prompt tokens here; the event decoder hashes `BlockStored.token_ids`
+here, chained from the parent block's key. Nothing else in the project computes a key, so
+the two sides always agree. Engine block hashes (sha256, cbor, builtin hash, ...) are never
+compared with ours: they are opaque ids, mapped per worker by `engine_key`.
+
+Algorithms:
+
+* ``xxh3`` (default): ``key_i = xxh3_64(tokens_i as little-endian uint32, seed=key_{i-1} ^ ns)``.
+  One C call per block over a slice of one bytes buffer built once per request.
+* ``fnv1a``: chained 64-bit FNV-1a over ``key_{i-1} (8 bytes LE) ‖ ns (8 bytes LE) ‖ tokens_i
+  (uint32 LE)``, the scheme vllm-router (vllm-project/router) uses for its block hashes.
+  FNV-1a's constants are from the Fowler-Noll-Vo reference (offset basis
+  0xcbf29ce484222325, prime 0x100000001b3; IETF draft-eastlake-fnv). It runs per byte in
+  Python, so it is ~30x slower than xxh3: pick it only to interoperate.
+
+The namespace folds whatever makes KV non-shareable: the LoRA adapter name, the
+`cache_salt` / tenant and any extra keys. The base model's chain has namespace 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Literal
+
+import xxhash
+
+HashAlgo = Literal["xxh3", "fnv1a"]
+
+MASK64 = (1 << 64) - 1
+FNV64_OFFSET = 0xCBF29CE484222325
+FNV64_PRIME = 0x100000001B3
+
+_xxh3 = xxhash.xxh3_64_intdigest
+# A tag so that a namespace can never equal a plain parent key by construction.
+_NS_SEED = 0x6B762D73636F7265  # "kv-score"
+
+
+def _canon(value: object) -> str:
+    """A stable text form of an extra key (str, int, bytes, nested lists/tuples, None)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "b:" + bytes(value).hex()
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_canon(v) for v in value) + "]"
+    if isinstance(value, str):
+        return "s:" + value
+    return repr(value)
+
+
+def namespace_key(
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    extra: Sequence[object] | None = None,
+) -> int:
+    """64-bit seed for a chain; 0 when all are None (the plain base-model chain).
+
+    Blocks of different LoRA adapters, salts or extra keys land in different namespaces, so
+    they never match each other or the base chain.
+    """
+    if lora_name is None and cache_salt is None and not extra:
+        return 0
+    text = "\x1f".join(
+        (
+            "" if lora_name is None else "l:" + lora_name,
+            "" if cache_salt is None else "s:" + cache_salt,
+            "" if not extra else _canon(list(extra)),
+        )
+    )
+    ns = _xxh3(text.encode("utf-8"), _NS_SEED)
+    return ns or 1  # 0 is reserved for the base chain
+
+
+def tokens_to_bytes(token_ids: Sequence[int], count: int | None = None) -> bytes:
+    """The first `count` token ids (all by default) as little-endian uint32 bytes.
+
+    One C-level conversion (array('I')); ids outside [0, 2**32) raise OverflowError.
+    """
+    ids = token_ids if count is None or count == len(token_ids) else token_ids[:count]
+    arr = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
+    if sys.byteorder == "big":  # keys must not depend on the machine
+        arr = array("I", arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def fnv1a64(data: bytes, state: int = FNV64_OFFSET) -> int:
+    """64-bit FNV-1a of `data`, starting from `state` (the offset basis by default)."""
+    h = state
+    for b in data:
+        h = ((h ^ b) * FNV64_PRIME) & MASK64
+    return h
+
+
+class BlockHasher:
+    """Turns token ids into the keys of their full blocks (see the module docstring)."""
+
+    __slots__ = ("_stride", "algo", "block_size")
+
+    def __init__(self, block_size: int, algo: HashAlgo = "xxh3") -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if algo not in ("xxh3", "fnv1a"):
+            raise ValueError(f"unknown hash algorithm {algo!r} (xxh3 or fnv1a)")
+        self.block_size = block_size
+        self.algo: HashAlgo = algo
+        self._stride = block_size * 4  # bytes per block (uint32 tokens)
+
+    def __repr__(self) -> str:
+        return f"BlockHasher(block_size={self.block_size}, algo={self.algo!r})"
+
+    def keys(
+        self, token_ids: Sequence[int], namespace: int = 0, parent: int | None = None
+    ) -> list[int]:
+        """Keys of the FULL blocks of `token_ids` (a trailing partial block has no key).
+
+        key_i = H(key_{i-1} (or `parent`, or 0), `namespace`, tokens of block i); uint64
+        python ints. One hash call per block over one bytes buffer.
+        """
+        n = len(token_ids) // self.block_size
+        if n == 0:
+            return []
+        buf = tokens_to_bytes(token_ids, n * self.block_size)
+        return self.keys_from_bytes(buf, namespace, parent)
+
+    def keys_from_bytes(
+        self, buf: bytes, namespace: int = 0, parent: int | None = None
+    ) -> list[int]:
+        """Like `keys`, for tokens already packed as little-endian uint32 (`tokens_to_bytes`).
+
+        Trailing bytes that do not fill a block are ignored.
+        """
+        stride = self._stride
+        end = len(buf) - len(buf) % stride
+        prev = 0 if parent is None else parent & MASK64
+        ns = namespace & MASK64
+        if self.algo == "xxh3":
+            h = _xxh3
+            if ns == 0:
+                # The common case: skip the xor (a measurable share of a 256-block prompt).
+                return [prev := h(buf[o : o + stride], prev) for o in range(0, end, stride)]
+            return [prev := h(buf[o : o + stride], prev ^ ns) for o in range(0, end, stride)]
+        ns_bytes = ns.to_bytes(8, "little")
+        out: list[int] = []
+        for o in range(0, end, stride):
+            prev = fnv1a64(prev.to_bytes(8, "little") + ns_bytes + buf[o : o + stride])
+            out.append(prev)
+        return out
+
+
+def engine_key(h: int | bytes | bytearray | memoryview) -> int:
+    """One canonical python int for an engine's opaque block hash (per-worker maps).
+
+    uint64 and negative int64 (vLLM's old builtin `hash()`) map to the same uint64; bytes
+    of up to 8 bytes are read big-endian; longer bytes (sha256 digests) are folded to 64 bits
+    with xxh3 so every map key stays a small int. Distinct engine hashes of one worker
+    collide with probability ~n²/2⁶⁵, negligible for millions of blocks.
+    """
+    if isinstance(h, int):
+        return h & MASK64
+    b = bytes(h)
+    if len(b) <= 8:
+        return int.from_bytes(b, "big")
+    return _xxh3(b) | (1 << 64)  # outside the uint64 range: never equals an int hash
