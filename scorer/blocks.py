@@ -1,6 +1,9 @@
 """Block keys: the ONE hash space shared by requests and KV events.
 
-Block key i = H(key i-1 (or the chain's parent, or 0), namespace, token ids of block i).
+Block key i = H(key i-1, token ids of block i); block 0 of a chain is seeded with
+(parent key or 0) XOR namespace, so every key of a chain depends on its namespace through
+the chain (events continuing a chain from a known parent need no namespace: vLLM only
+puts the cache_salt in the first block's extra keys).
 Requests hash their prompt tokens here; the event decoder hashes `BlockStored.token_ids`
 here, chained from the parent block's key. Nothing else in the project computes a key, so
 the two sides always agree. Engine block hashes (sha256, cbor, builtin hash, ...) are never
@@ -8,10 +11,11 @@ compared with ours: they are opaque ids, mapped per worker by `engine_key`.
 
 Algorithms:
 
-* ``xxh3`` (default): ``key_i = xxh3_64(tokens_i as little-endian uint32, seed=key_{i-1} ^ ns)``.
+* ``xxh3`` (default): ``key_i = xxh3_64(tokens_i as little-endian uint32, seed=key_{i-1})``,
+  ``key_{-1} = (parent or 0) ^ ns``.
   One C call per block over a slice of one bytes buffer built once per request.
-* ``fnv1a``: chained 64-bit FNV-1a over ``key_{i-1} (8 bytes LE) ‖ ns (8 bytes LE) ‖ tokens_i
-  (uint32 LE)``, the scheme vllm-router (vllm-project/router) uses for its block hashes.
+* ``fnv1a``: chained 64-bit FNV-1a over ``key_{i-1} (8 bytes LE) ‖ tokens_i (uint32 LE)``, the scheme
+  vllm-router (vllm-project/router) uses for its block hashes.
   FNV-1a's constants are from the Fowler-Noll-Vo reference (offset basis
   0xcbf29ce484222325, prime 0x100000001b3; IETF draft-eastlake-fnv). It runs per byte in
   Python, so it is ~30x slower than xxh3: pick it only to interoperate.
@@ -32,6 +36,7 @@ import xxhash
 HashAlgo = Literal["xxh3", "fnv1a"]
 
 MASK64 = (1 << 64) - 1
+MASK60 = (1 << 60) - 1
 FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
 
@@ -117,8 +122,9 @@ class BlockHasher:
     ) -> list[int]:
         """Keys of the FULL blocks of `token_ids` (a trailing partial block has no key).
 
-        key_i = H(key_{i-1} (or `parent`, or 0), `namespace`, tokens of block i); uint64
-        python ints. One hash call per block over one bytes buffer.
+        key_i = H(key_{i-1}, tokens of block i) with key_{-1} = (`parent` or 0) ^ `namespace`,
+        so the namespace reaches every key through the chain; uint64 python ints. One hash
+        call per block over one bytes buffer.
         """
         n = len(token_ids) // self.block_size
         if n == 0:
@@ -135,18 +141,13 @@ class BlockHasher:
         """
         stride = self._stride
         end = len(buf) - len(buf) % stride
-        prev = 0 if parent is None else parent & MASK64
-        ns = namespace & MASK64
+        prev = ((0 if parent is None else parent) ^ namespace) & MASK64
         if self.algo == "xxh3":
             h = _xxh3
-            if ns == 0:
-                # The common case: skip the xor (a measurable share of a 256-block prompt).
-                return [prev := h(buf[o : o + stride], prev) for o in range(0, end, stride)]
-            return [prev := h(buf[o : o + stride], prev ^ ns) for o in range(0, end, stride)]
-        ns_bytes = ns.to_bytes(8, "little")
+            return [prev := h(buf[o : o + stride], prev) for o in range(0, end, stride)]
         out: list[int] = []
         for o in range(0, end, stride):
-            prev = fnv1a64(prev.to_bytes(8, "little") + ns_bytes + buf[o : o + stride])
+            prev = fnv1a64(prev.to_bytes(8, "little") + buf[o : o + stride])
             out.append(prev)
         return out
 
@@ -154,14 +155,11 @@ class BlockHasher:
 def engine_key(h: int | bytes | bytearray | memoryview) -> int:
     """One canonical python int for an engine's opaque block hash (per-worker maps).
 
-    uint64 and negative int64 (vLLM's old builtin `hash()`) map to the same uint64; bytes
-    of up to 8 bytes are read big-endian; longer bytes (sha256 digests) are folded to 64 bits
-    with xxh3 so every map key stays a small int. Distinct engine hashes of one worker
-    collide with probability ~n²/2⁶⁵, negligible for millions of blocks.
+    uint64 and negative int64 (vLLM's old builtin `hash()`) are read modulo 2**64, bytes
+    (sha256 digests) are folded with xxh3; the result keeps the low 60 bits so it is a
+    32-byte python int instead of 36 (memory: millions live in the index). Two distinct
+    engine hashes of one worker collide with probability ~n²/2⁶¹ (~4e-7 for 1M blocks).
     """
     if isinstance(h, int):
-        return h & MASK64
-    b = bytes(h)
-    if len(b) <= 8:
-        return int.from_bytes(b, "big")
-    return _xxh3(b) | (1 << 64)  # outside the uint64 range: never equals an int hash
+        return h & MASK60
+    return _xxh3(bytes(h)) & MASK60
