@@ -14,7 +14,8 @@ Algorithms:
 * ``xxh3`` (default): ``key_i = xxh3_64(tokens_i as little-endian uint32, seed=key_{i-1})``,
   ``key_{-1} = (parent or 0) ^ ns``.
   One C call per block over a slice of one bytes buffer built once per request.
-* ``fnv1a``: chained 64-bit FNV-1a over ``key_{i-1} (8 bytes LE) ‖ tokens_i (uint32 LE)``, the scheme
+* ``fnv1a``: chained 64-bit FNV-1a over ``key_{i-1} (8 bytes LE) ‖ tokens_i (uint32 LE)``,
+  the scheme
   vllm-router (vllm-project/router) uses for its block hashes.
   FNV-1a's constants are from the Fowler-Noll-Vo reference (offset basis
   0xcbf29ce484222325, prime 0x100000001b3; IETF draft-eastlake-fnv). It runs per byte in
