@@ -1,0 +1,1 @@
+"""Simulated vLLM worker: OpenAI API, paged prefix cache, KV events, timing model."""
