@@ -1,0 +1,333 @@
+"""Wire decoding of KV-cache events for every vLLM / SGLang era.
+
+Wire format (vLLM `vllm/distributed/kv_events.py`, 0.9.0 → 0.33; see
+tests/fixtures/vectors/README.md for what each release sends):
+
+* a ZMQ message has 3 frames: ``[topic, seq (8-byte big-endian unsigned), payload]``;
+* payload = msgpack batch ``[ts, events]`` (0.9.0) or ``[ts, events, data_parallel_rank]``
+  (0.9.1+); a map ``{"ts", "events", "data_parallel_rank"}`` is tolerated too;
+* events are positional arrays ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]`` up to 0.23 (fields
+  were only ever appended, so we read by position and ignore extras) and tagged maps
+  ``{"type": "BlockStored", ...}`` from 0.24 (read by name, unknown fields ignored;
+  ``omit_defaults`` drops fields left at their default);
+* block hashes are uint64, negative int64 (builtin ``hash()`` before 0.10.2) or bytes
+  (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``);
+* ``medium`` is spelled GPU, CPU, cpu (LMCache), FS / OBJ (0.26), STORAGE (0.27+),
+  CPU_PINNED / DISK / EXTERNAL (SGLang), or absent. SGLang's map events may carry a
+  ``cache_salt`` field.
+
+A malformed message raises `DecodeError` with a `kind`; a malformed or unknown event inside
+a good batch is skipped and reported in `EventBatch.errors`, so the rest still applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# The replay socket's end marker: seq 0xFF x 8 (i.e. -1 as a signed int64), empty payload.
+END_SEQ = b"\xff" * 8
+
+Hash = int | bytes
+
+# Every spelling seen on the wire → the index's three media. (vLLM MEDIUM_* constants,
+# LMCache's lower-case "cpu", SGLang's HiCache tiers.)
+_MEDIA = {
+    "GPU": "GPU",
+    "CPU": "CPU",
+    "CPU_PINNED": "CPU",
+    "DISK": "DISK",
+    "FS": "DISK",
+    "OBJ": "DISK",
+    "STORAGE": "DISK",
+    "EXTERNAL": "DISK",
+}
+
+ERROR_KINDS = (
+    "frames",  # not 3 frames / not bytes
+    "seq",  # sequence frame is not 8 bytes
+    "topic",  # topic is not UTF-8
+    "msgpack",  # payload is not msgpack
+    "batch",  # payload is not a batch [ts, events(, rank)]
+    "event",  # an event has the wrong shape or field types
+    "unknown_type",  # an event type we do not know (skipped)
+)
+
+
+class DecodeError(ValueError):
+    """A message or event we cannot read. `kind` is one of ERROR_KINDS (a metric label)."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def normalize_medium(raw: object) -> str:
+    """GPU / CPU / DISK from any spelling; absent or unknown → GPU (vllm-router v0.13's choice)."""
+    if raw is None:
+        return "GPU"
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "replace")
+    return _MEDIA.get(str(raw).upper(), "GPU")
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str = "GPU"  # normalised
+    medium_raw: str | None = None  # as sent (None when absent)
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # one entry per block (tuple/list or None)
+    group_idx: int | None = None
+    cache_salt: str | None = None  # SGLang
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[Hash]
+    medium: str = "GPU"
+    medium_raw: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    medium: str | None = None
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    ts: float
+    events: list[Event]
+    dp_rank: int | None = None
+    errors: list[DecodeError] = field(default_factory=list)  # events skipped
+
+
+@dataclass(slots=True)
+class Message:
+    topic: str
+    seq: int
+    batch: EventBatch
+
+
+_decoder = msgspec.msgpack.Decoder()
+
+
+def _hash(v: object, what: str) -> Hash:
+    if isinstance(v, bool) or not isinstance(v, int | bytes):
+        raise DecodeError("event", f"{what}: expected int or bytes, got {type(v).__name__}")
+    return v
+
+
+def _hashes(v: object) -> list[Hash]:
+    if not isinstance(v, list):
+        raise DecodeError("event", f"block_hashes: expected a list, got {type(v).__name__}")
+    for h in v:
+        if isinstance(h, bool) or not isinstance(h, int | bytes):
+            raise DecodeError("event", f"block_hashes: bad item {type(h).__name__}")
+    return v
+
+
+def _opt_int(v: object, what: str) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise DecodeError("event", f"{what}: expected int, got {type(v).__name__}")
+    return v
+
+
+def _opt_str(v: object, what: str) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if not isinstance(v, str):
+        raise DecodeError("event", f"{what}: expected str, got {type(v).__name__}")
+    return v
+
+
+def _stored(
+    hashes: object,
+    parent: object,
+    tokens: object,
+    block_size: object,
+    lora_id: object = None,
+    medium: object = None,
+    lora_name: object = None,
+    extra_keys: object = None,
+    group_idx: object = None,
+    cache_salt: object = None,
+) -> BlockStored:
+    hs = _hashes(hashes)
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise DecodeError("event", "token_ids: expected a list of ints")
+    bs = _opt_int(block_size, "block_size")
+    if bs is None or bs < 1:
+        raise DecodeError("event", f"block_size: expected a positive int, got {block_size!r}")
+    if extra_keys is not None and not isinstance(extra_keys, list):
+        raise DecodeError("event", "extra_keys: expected a list")
+    mraw = _opt_str(medium, "medium")
+    return BlockStored(
+        block_hashes=hs,
+        parent_block_hash=None if parent is None else _hash(parent, "parent_block_hash"),
+        token_ids=tokens,
+        block_size=bs,
+        lora_id=_opt_int(lora_id, "lora_id"),
+        medium=normalize_medium(mraw),
+        medium_raw=mraw,
+        lora_name=_opt_str(lora_name, "lora_name"),
+        extra_keys=extra_keys,
+        group_idx=_opt_int(group_idx, "group_idx"),
+        cache_salt=_opt_str(cache_salt, "cache_salt"),
+    )
+
+
+def _removed(hashes: object, medium: object = None, group_idx: object = None) -> BlockRemoved:
+    mraw = _opt_str(medium, "medium")
+    return BlockRemoved(
+        block_hashes=_hashes(hashes),
+        medium=normalize_medium(mraw),
+        medium_raw=mraw,
+        group_idx=_opt_int(group_idx, "group_idx"),
+    )
+
+
+def _cleared(medium: object = None) -> AllBlocksCleared:
+    mraw = _opt_str(medium, "medium")
+    return AllBlocksCleared(medium=None if mraw is None else normalize_medium(mraw))
+
+
+def decode_event(raw: object) -> Event:
+    """One event, positional-array or tagged-map form."""
+    if isinstance(raw, list):
+        if not raw or not isinstance(raw[0], str):
+            raise DecodeError("event", "array event without a type tag")
+        tag, f = raw[0], raw[1:]
+        if tag == "BlockStored":
+            if len(f) < 4:
+                raise DecodeError("event", f"BlockStored with {len(f)} fields (need >= 4)")
+            # Positions 0..8 are the vLLM fields in order; later appended fields are ignored.
+            return _stored(*f[:9])
+        if tag == "BlockRemoved":
+            if len(f) < 1:
+                raise DecodeError("event", "BlockRemoved without block_hashes")
+            return _removed(*f[:3])
+        if tag == "AllBlocksCleared":
+            return _cleared(f[0] if f else None)
+        raise DecodeError("unknown_type", f"event type {tag[:40]!r}")
+    if isinstance(raw, dict):
+        mtag: object = raw.get("type")
+        g = raw.get
+        if mtag == "BlockStored":
+            if "block_hashes" not in raw or "token_ids" not in raw or "block_size" not in raw:
+                raise DecodeError("event", "BlockStored map without its required fields")
+            return _stored(
+                g("block_hashes"),
+                g("parent_block_hash"),
+                g("token_ids"),
+                g("block_size"),
+                g("lora_id"),
+                g("medium"),
+                g("lora_name"),
+                g("extra_keys"),
+                g("group_idx"),
+                g("cache_salt"),
+            )
+        if mtag == "BlockRemoved":
+            if "block_hashes" not in raw:
+                raise DecodeError("event", "BlockRemoved map without block_hashes")
+            return _removed(g("block_hashes"), g("medium"), g("group_idx"))
+        if mtag == "AllBlocksCleared":
+            return _cleared(g("medium"))
+        if isinstance(mtag, str):
+            raise DecodeError("unknown_type", f"event type {mtag[:40]!r}")
+        raise DecodeError("event", "map event without a string 'type'")
+    raise DecodeError("event", f"event is a {type(raw).__name__}")
+
+
+def decode_payload(payload: bytes) -> EventBatch:
+    """A msgpack batch → EventBatch. Bad events are skipped into `errors`."""
+    try:
+        raw = _decoder.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:
+        raise DecodeError("msgpack", str(e)[:200]) from None
+    rank: object = None
+    if isinstance(raw, list):
+        if len(raw) < 2:
+            raise DecodeError("batch", f"batch array of {len(raw)} items (need >= 2)")
+        ts, events = raw[0], raw[1]
+        if len(raw) > 2:
+            rank = raw[2]
+    elif isinstance(raw, dict):
+        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
+    else:
+        raise DecodeError("batch", f"batch is a {type(raw).__name__}")
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
+        raise DecodeError("batch", f"ts: expected a number, got {type(ts).__name__}")
+    if not isinstance(events, list):
+        raise DecodeError("batch", f"events: expected a list, got {type(events).__name__}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise DecodeError("batch", f"data_parallel_rank: expected int, got {type(rank).__name__}")
+    out: list[Event] = []
+    errors: list[DecodeError] = []
+    for ev in events:
+        try:
+            out.append(decode_event(ev))
+        except DecodeError as e:
+            errors.append(e)
+        except (TypeError, ValueError) as e:  # e.g. too many map/array items to unpack
+            errors.append(DecodeError("event", str(e)[:200]))
+    return EventBatch(float(ts), out, rank, errors)
+
+
+def decode_seq(frame: bytes) -> int:
+    """The 8-byte big-endian sequence frame."""
+    if len(frame) != 8:
+        raise DecodeError("seq", f"sequence frame of {len(frame)} bytes (need 8)")
+    return int.from_bytes(frame, "big")
+
+
+def decode_message(frames: Sequence[bytes]) -> Message:
+    """A 3-frame ZMQ message ``[topic, seq, payload]`` → Message."""
+    if len(frames) != 3:
+        raise DecodeError("frames", f"{len(frames)} frames (need 3: topic, seq, payload)")
+    topic_b, seq_b, payload = frames
+    if not all(isinstance(f, bytes | bytearray | memoryview) for f in frames):
+        raise DecodeError("frames", "frames must be bytes")
+    try:
+        topic = bytes(topic_b).decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError("topic", "topic is not UTF-8") from None
+    seq = decode_seq(bytes(seq_b))
+    return Message(topic, seq, decode_payload(bytes(payload)))
+
+
+def split_replay_reply(frames: Sequence[bytes]) -> tuple[str | None, bytes, bytes]:
+    """A replay reply as a DEALER receives it → (topic, seq frame, payload).
+
+    ``[b"", seq, payload]`` before vLLM 0.26, ``[b"", topic, seq, payload]`` from 0.26.
+    The end marker is seq == END_SEQ with an empty payload (topic b"" in the 4-frame form).
+    """
+    if len(frames) == 3 and len(frames[0]) == 0:
+        return None, bytes(frames[1]), bytes(frames[2])
+    if len(frames) == 4 and len(frames[0]) == 0:
+        try:
+            topic = bytes(frames[1]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise DecodeError("topic", "replay topic is not UTF-8") from None
+        return topic, bytes(frames[2]), bytes(frames[3])
+    raise DecodeError("frames", f"replay reply of {len(frames)} frames")
