@@ -32,6 +32,9 @@ class ServerConfig(Strict):
     grace_period_s: float = Field(10.0, ge=0)
     # Seconds readiness reports NOT_SERVING before the servers stop accepting streams.
     drain_delay_s: float = Field(0.0, ge=0)
+    # Set SO_REUSEPORT on the ext_proc port so several `kv-scorer serve` processes share
+    # it (each keeps its own in-flight view and index; see docs/envoy.md).
+    reuse_port: bool = False
 
 
 class ExtProcConfig(Strict):

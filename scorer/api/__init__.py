@@ -1,0 +1,1 @@
+"""Public surfaces besides the Envoy data path: admin HTTP, gRPC health, scorer.v1."""

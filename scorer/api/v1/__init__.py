@@ -1,0 +1,1 @@
+"""Generated scorer.v1 stubs (python -m scorer.api.protogen)."""

@@ -1,0 +1,290 @@
+"""Assemble and run the service: Config → Pool → components → Policy → Router → servers.
+
+Servers (the inference extension's ports by default):
+  9002  gRPC: envoy.service.ext_proc.v3.ExternalProcessor, scorer.v1.Scorer, grpc.health.v1
+  9003  gRPC: grpc.health.v1 ("", "liveness", "readiness", the ext_proc service name)
+  9090  HTTP: /metrics, /healthz, /readyz, /debug/decisions and component routes
+
+Lifecycle: components start (in order) → servers bind → readiness SERVING. On SIGTERM or
+SIGINT: readiness NOT_SERVING → `server.drain_delay_s` → new ext_proc streams refused,
+in-flight ones get `server.grace_period_s` to finish → components stop (reverse order) →
+exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from scorer.api.admin import AdminServer, Route
+from scorer.api.health import Health
+from scorer.api.score import ScorerService
+from scorer.api.score import add_to_server as add_scorer
+from scorer.config import Config, ConfigError, load_config
+from scorer.decisions import DecisionLog
+from scorer.extproc.servicer import ExtProcServicer
+from scorer.extproc.servicer import add_to_server as add_extproc
+from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.pool.workers import Pool
+from scorer.router import RequestPreparer, Router
+
+log = logging.getLogger("scorer.app")
+
+# Envoy's BUFFERED mode sends up to its buffer limit in one message; full-duplex chunks are
+# small. Leave room above extproc.max_body_bytes for the protobuf framing.
+_MAX_MESSAGE = 80 * 1024 * 1024
+
+
+def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, Any]]:
+    """Construct the optional parts of the service. Returns (components, services).
+
+    A component is any object with optional `async start()`, `async stop()` and
+    `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
+    through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
+    "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
+    (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape".
+
+    This is the one place where the KV parts are wired in (by the lead, as their modules
+    land), e.g.:
+
+        hasher = BlockHasher(config.pool.block_size, config.index.hash)
+        index = BlockIndex(config.index)
+        events = EventIngest(config, pool, index, hasher)
+        tokens = Tokenization(config, hasher)
+        components += [events, tokens]
+        services.update(hasher=hasher, index=index, events=events, tokens=tokens)
+    """
+    components: list[Any] = []
+    services: dict[str, Any] = {}
+    return components, services
+
+
+def make_policy(config: Config, pool: Pool, services: dict[str, Any]) -> Policy:
+    """Build `config.policy` with options `config.policies[name]`; ConfigError names the field."""
+    name = config.policy
+    ctx = PolicyContext(pool=pool, config=config, services=services)
+    try:
+        return build_policy(name, ctx, config.policies.get(name))
+    except ValidationError as e:
+        lines = [
+            f"policies.{name}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+            for err in e.errors()
+        ]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from e
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+async def _maybe_call(obj: Any, name: str) -> None:
+    fn = getattr(obj, name, None)
+    if fn is None:
+        return
+    result = fn()
+    if inspect.isawaitable(result):
+        await result
+
+
+class App:
+    """The whole service in one object: build with a Config, `await start()`, `await stop()`."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.pool = Pool.from_config(config)
+        self.components, self.services = build_components(config, self.pool)
+        self.policy = make_policy(config, self.pool, self.services)
+        preparer: RequestPreparer | None = self.services.get("tokens")
+        self.decisions = DecisionLog(config.decisions.log_size)
+        self.router = Router(self.pool, self.policy, self.decisions, preparer)
+        self.health = Health()
+        self.extproc = ExtProcServicer(config, self.router)
+        self.scorer = ScorerService(self.router, self.services)
+        routes: list[Route] = []
+        for c in self.components:
+            if hasattr(c, "routes"):
+                routes.extend(c.routes())
+        s = config.server
+        self.admin = AdminServer(s.host, s.admin_port, self.decisions, routes)
+        self.extproc_server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.extproc_port = s.extproc_port
+        self.health_port = s.health_port
+        self.admin_port = s.admin_port
+        self._started: list[Any] = []
+
+    async def start(self) -> None:
+        """Start components, bind the servers, then report ready."""
+        s = self.config.server
+        await self.health.set_ready(False)
+        for c in self.components:
+            await _maybe_call(c, "start")
+            self._started.append(c)
+        opts = [
+            ("grpc.so_reuseport", 1 if s.reuse_port else 0),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+        ]
+        self.extproc_server = grpc.aio.server(options=opts)
+        add_extproc(self.extproc, self.extproc_server)
+        add_scorer(self.scorer, self.extproc_server)
+        self.health.add_to_server(self.extproc_server)
+        self.extproc_port = self.extproc_server.add_insecure_port(f"{s.host}:{s.extproc_port}")
+        self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.health.add_to_server(self.health_server)
+        self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
+        await self.extproc_server.start()
+        await self.health_server.start()
+        self.admin_port = await self.admin.start()
+        await self.set_ready(True)
+        log.warning(
+            "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d",
+            s.host,
+            self.extproc_port,
+            s.host,
+            self.health_port,
+            s.host,
+            self.admin_port,
+            self.policy.name,
+            len(self.pool),
+        )
+
+    async def set_ready(self, ready: bool) -> None:
+        self.admin.ready = ready
+        await self.health.set_ready(ready)
+
+    async def stop(self) -> None:
+        """Graceful stop: readiness down, drain delay, refuse new streams, let in-flight ones
+        finish within the grace period, stop components, close the remaining servers."""
+        s = self.config.server
+        await self.set_ready(False)
+        if s.drain_delay_s > 0:
+            await asyncio.sleep(s.drain_delay_s)
+        self.extproc.draining = True
+        if self.extproc_server is not None:
+            await self.extproc_server.stop(s.grace_period_s)
+            self.extproc_server = None
+        for c in reversed(self._started):
+            try:
+                await _maybe_call(c, "stop")
+            except Exception:
+                log.exception("stopping %r failed", c)
+        self._started.clear()
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+            self.health_server = None
+        await self.admin.stop()
+
+
+async def serve(config: Config) -> int:
+    """Run until SIGTERM/SIGINT, then stop gracefully. Returns the exit code."""
+    try:
+        app = App(config)
+    except ConfigError as e:
+        print(f"kv-scorer: {e}", file=sys.stderr)
+        return 2
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        log.warning("kv-scorer shutting down (grace %.1fs)", config.server.grace_period_s)
+    finally:
+        await app.stop()
+    log.warning("kv-scorer stopped")
+    return 0
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def register(subparsers: Any) -> None:
+    """Add `kv-scorer serve`."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve",
+        help="run the endpoint picker (ext_proc, health, admin)",
+        description=(
+            "Run the endpoint picker. Configuration: --config FILE, then KV_SCORER_* "
+            "environment (e.g. KV_SCORER_SERVER__EXTPROC_PORT=9100), then these flags."
+        ),
+    )
+    p.add_argument("--config", help="YAML configuration file (env KV_SCORER_CONFIG)")
+    p.add_argument(
+        "--worker",
+        action="append",
+        metavar="IP:PORT",
+        help="a worker endpoint (repeatable; replaces pool.workers)",
+    )
+    p.add_argument("--policy", help="routing policy (round_robin, random, least_loaded, ...)")
+    p.add_argument("--host", help="listen address (server.host)")
+    p.add_argument("--extproc-port", type=int, help="ext_proc gRPC port (default 9002)")
+    p.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
+    p.add_argument("--admin-port", type=int, help="admin HTTP port (default 9090)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Flags → a config overlay (only the flags given)."""
+    over: dict[str, Any] = {}
+    server: dict[str, Any] = {}
+    for flag, key in (
+        ("host", "host"),
+        ("extproc_port", "extproc_port"),
+        ("health_port", "health_port"),
+        ("admin_port", "admin_port"),
+    ):
+        v = getattr(args, flag, None)
+        if v is not None:
+            server[key] = v
+    if server:
+        over["server"] = server
+    if getattr(args, "worker", None):
+        over["pool"] = {"workers": list(args.worker)}
+    if getattr(args, "policy", None):
+        over["policy"] = args.policy
+    if getattr(args, "log_level", None):
+        over["log_level"] = args.log_level
+    return over
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """File, then env, then flags; raises ConfigError."""
+    return load_config(getattr(args, "config", None), overrides=flag_overrides(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kv-scorer serve`: exit 0 after a graceful stop, 2 on a configuration error."""
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"kv-scorer: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(serve(config))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m scorer.app ...` (same as `kv-scorer serve ...`)."""
+    parser = argparse.ArgumentParser(prog="kv-scorer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
