@@ -167,6 +167,7 @@ def render_envoy_config(
     message_timeout: str = "5s",
     direct_backends: Sequence[str] | None = None,
     direct_port: int = 0,
+    extra_http_filters: Sequence[dict[str, Any]] = (),
 ) -> str:
     """An Envoy bootstrap (YAML) equivalent to envoy/envoy.yaml, with run-time ports.
 
@@ -176,6 +177,8 @@ def render_envoy_config(
     scorer closes the stream after routing and Envoy skips the response path.
     direct_backends: add a listener `direct` (port `direct_port`) that round-robins straight
     to these `ip:port` backends without ext_proc (the benchmark's baseline).
+    extra_http_filters: HTTP filters placed before ext_proc (tests use header_to_metadata
+    to inject a subset hint, as a gateway would).
     """
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -210,7 +213,15 @@ def render_envoy_config(
         odc = {"use_http_header": True, "http_header_name": DESTINATION_KEY}
     else:
         raise ValueError(f"mode must be 'metadata' or 'header', not {mode!r}")
-    listeners = [_listener("main", host, listener_port, "original_destination_cluster", [ext_proc])]
+    listeners = [
+        _listener(
+            "main",
+            host,
+            listener_port,
+            "original_destination_cluster",
+            [*extra_http_filters, ext_proc],
+        )
+    ]
     clusters: list[dict[str, Any]] = [
         {
             "name": "original_destination_cluster",
