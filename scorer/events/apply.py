@@ -1,0 +1,184 @@
+"""Applying decoded KV events to the block index, in OUR hash space.
+
+For `BlockStored` we recompute our keys from `token_ids` with the shared `BlockHasher`,
+chained from the parent block's key (the engine's `parent_block_hash` mapped through that
+worker's engine-hash → key map). The chain's namespace comes from `lora_name` and the extra
+keys: vLLM puts the LoRA name in every block's `extra_keys` and the `cache_salt` only in the
+first block's (vllm/v1/core/kv_cache_utils.py `generate_block_hash_extra_keys`); SGLang sends
+`cache_salt` as a field. Any other per-block extra key (multimodal hashes, prompt-embedding
+hashes) is folded into that block's key: requests cannot reproduce it, so such blocks never
+match, which is the safe side.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from scorer.blocks import BlockHasher, engine_key, namespace_key
+from scorer.events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from scorer.index import BlockIndex
+
+log = logging.getLogger(__name__)
+
+EVENTS_APPLIED = Counter(
+    "kv_scorer_events_applied_total",
+    "KV events applied to the index, by type and outcome",
+    ["type", "outcome"],
+)
+BLOCKS_APPLIED = Counter(
+    "kv_scorer_event_blocks_total", "Blocks carried by applied KV events", ["type"]
+)
+BLOCK_SIZE_MISMATCH = Counter(
+    "kv_scorer_block_size_mismatch_total",
+    "BlockStored events whose block_size differs from pool.block_size (not indexed)",
+    ["endpoint"],
+)
+EVENT_LAG = Histogram(
+    "kv_scorer_event_lag_seconds",
+    "Wall-clock delay between a batch's ts and its application",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+
+_APPLIED = {
+    (t, o): EVENTS_APPLIED.labels(t, o)
+    for t, outcomes in (
+        ("BlockStored", ("ok", "unknown_parent", "block_size_mismatch", "other_group", "short")),
+        ("BlockRemoved", ("ok", "unknown_hash", "other_group")),
+        ("AllBlocksCleared", ("ok",)),
+    )
+    for o in outcomes
+}
+_BLOCKS = {t: BLOCKS_APPLIED.labels(t) for t in ("BlockStored", "BlockRemoved")}
+
+
+@dataclass(slots=True)
+class ApplyStats:
+    """Per-worker counters kept for /debug/index."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    unknown_parent: int = 0
+    unknown_hash: int = 0
+    other_group: int = 0
+    block_size_mismatch: int = 0
+    last_block_size: int | None = None
+
+
+def _extras(item: object, lora_name: str | None) -> list[Any]:
+    """A block's extra keys without the LoRA name (already in the namespace)."""
+    if item is None:
+        return []
+    seq = item if isinstance(item, list | tuple) else [item]
+    return [x for x in seq if x != lora_name]
+
+
+class Applier:
+    """Applies decoded batches for any number of workers to one index."""
+
+    def __init__(self, index: BlockIndex, hasher: BlockHasher) -> None:
+        self.index = index
+        self.hasher = hasher
+        self.stats: dict[str, ApplyStats] = {}
+
+    def _st(self, endpoint: str) -> ApplyStats:
+        st = self.stats.get(endpoint)
+        if st is None:
+            st = self.stats[endpoint] = ApplyStats()
+        return st
+
+    def apply(self, endpoint: str, batch: EventBatch, rank: int | None = None) -> None:
+        """Apply every event of a batch (rank: the batch's data_parallel_rank if None)."""
+        r = batch.dp_rank if rank is None else rank
+        if batch.ts > 0:
+            EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
+        st = self._st(endpoint)
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                self._stored(endpoint, r, ev, st)
+            elif type(ev) is BlockRemoved:
+                self._removed(endpoint, r, ev, st)
+            elif isinstance(ev, AllBlocksCleared):
+                self.index.clear(endpoint, r or 0)
+                st.cleared += 1
+                _APPLIED["AllBlocksCleared", "ok"].inc()
+
+    def _stored(self, ep: str, rank: int | None, ev: BlockStored, st: ApplyStats) -> None:
+        if ev.group_idx:  # hybrid models: index the first KV-cache group only
+            st.other_group += 1
+            _APPLIED["BlockStored", "other_group"].inc()
+            return
+        hasher = self.hasher
+        bs = hasher.block_size
+        if ev.block_size != bs:
+            st.block_size_mismatch += 1
+            st.last_block_size = ev.block_size
+            BLOCK_SIZE_MISMATCH.labels(ep).inc()
+            _APPLIED["BlockStored", "block_size_mismatch"].inc()
+            return
+        st.last_block_size = ev.block_size
+        n = min(len(ev.block_hashes), len(ev.token_ids) // bs)
+        if n == 0:
+            _APPLIED["BlockStored", "short"].inc()
+            return
+        parent: int | None = None
+        if ev.parent_block_hash is not None:
+            parent = self.index.lookup_engine(ep, rank, engine_key(ev.parent_block_hash))
+            if parent is None:
+                # A chain we cannot place (its parent was never seen or already evicted).
+                st.unknown_parent += 1
+                _APPLIED["BlockStored", "unknown_parent"].inc()
+                return
+        lora = ev.lora_name
+        if lora is None and ev.lora_id is not None:
+            lora = f"lora-id:{ev.lora_id}"  # old events: no name, never matches a request
+        ek = ev.extra_keys or []
+        start = 1 if parent is None else 0
+        per_block = any(_extras(x, ev.lora_name) for x in ek[start:])
+        ns = 0
+        if parent is None:
+            first = _extras(ek[0], ev.lora_name) if ek else []
+            salt = ev.cache_salt
+            if salt is None and len(first) == 1 and isinstance(first[0], str):
+                salt, first = first[0], []
+            ns = namespace_key(lora, salt, first or None)
+        tokens = ev.token_ids
+        if not per_block:
+            keys = hasher.keys(tokens if n * bs == len(tokens) else tokens[: n * bs], ns, parent)
+        else:
+            keys = []
+            prev = parent
+            for i in range(n):
+                extra = _extras(ek[i], ev.lora_name) if i < len(ek) else []
+                block_ns = ns if i == 0 and parent is None else 0
+                if extra and not (i == 0 and parent is None):
+                    block_ns = namespace_key(None, None, extra)
+                (k,) = hasher.keys(tokens[i * bs : (i + 1) * bs], block_ns, prev)
+                keys.append(k)
+                prev = k
+        ekeys = [engine_key(h) for h in ev.block_hashes[:n]]
+        self.index.add(ep, rank, ekeys, keys, ev.medium)
+        st.stored += n
+        _APPLIED["BlockStored", "ok"].inc()
+        _BLOCKS["BlockStored"].inc(n)
+
+    def _removed(self, ep: str, rank: int | None, ev: BlockRemoved, st: ApplyStats) -> None:
+        if ev.group_idx:
+            st.other_group += 1
+            _APPLIED["BlockRemoved", "other_group"].inc()
+            return
+        removed, unknown = self.index.remove(
+            ep, rank, [engine_key(h) for h in ev.block_hashes], ev.medium
+        )
+        st.removed += removed
+        _BLOCKS["BlockRemoved"].inc(len(ev.block_hashes))
+        if unknown:
+            st.unknown_hash += unknown
+            _APPLIED["BlockRemoved", "unknown_hash"].inc()
+        else:
+            _APPLIED["BlockRemoved", "ok"].inc()

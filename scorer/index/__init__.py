@@ -1,0 +1,428 @@
+"""The block index: which worker holds which prompt blocks, on which medium.
+
+Layout (built for 64+ workers and millions of blocks):
+
+* every (endpoint, dp_rank) gets a *slot*: one bit in a python-int bitmask;
+* one dict per medium (GPU, CPU, DISK): our block key → bitmask of the slots holding it;
+* one dict per slot: engine block hash (`scorer.blocks.engine_key`) → our key, to map
+  `BlockRemoved` and `parent_block_hash` back into our hash space;
+* speculative entries (a request just routed there; its blocks are being computed) live in
+  their own key → bitmask dict with a per-slot expiry, and count as GPU blocks.
+
+`match` looks every prompt key up once per medium with C-level iteration (`map(dict.get)`),
+ANDs the masks with `itertools.accumulate` and finds where each worker drops out with
+`itertools.groupby`, so a 256-block prompt costs ~256 dict lookups whatever the worker count.
+A worker's count is its longest *contiguous* prefix: the first missing block freezes it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from operator import and_, or_
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from scorer.config import IndexConfig
+
+MEDIA = ("GPU", "CPU", "DISK")
+
+INDEX_ENTRIES = Gauge(
+    "kv_scorer_index_entries", "Stored (block, worker) entries in the block index", ["medium"]
+)
+INDEX_EVICTIONS = Counter(
+    "kv_scorer_index_evictions_total",
+    "Index entries dropped because a worker exceeded index.max_blocks_per_worker",
+)
+SPECULATIVE = Counter(
+    "kv_scorer_index_speculative_total",
+    "Speculative block entries by outcome (inserted, confirmed, expired)",
+    ["outcome"],
+)
+
+
+@dataclass(slots=True)
+class Match:
+    """How much of a prompt one worker holds."""
+
+    blocks: int  # contiguous leading blocks held (any medium)
+    by_medium: dict[str, int]  # those blocks split by medium ("GPU", "CPU", "DISK")
+    weighted: float  # sum of medium weights over the matched blocks
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    endpoint: str
+    rank: int
+    bit: int
+    # engine key → our key; insertion-ordered, so the oldest entries are evicted first.
+    emap: dict[int, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEDIA, 0))
+    spec: dict[int, float] = field(default_factory=dict)  # our key → expiry (monotonic)
+    evictions: int = 0
+    purges: int = 0
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Indices of the set bits of `mask`."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class BlockIndex:
+    """Key → workers (medium, dp_rank, expiry), updated from KV events, read by policies."""
+
+    def __init__(self, config: IndexConfig | None = None) -> None:
+        self.config = config or IndexConfig.model_validate({})
+        w = self.config.medium_weights
+        self._wg = float(w.get("GPU", 1.0))
+        self._wc = float(w.get("CPU", 0.3))
+        self._wd = float(w.get("DISK", 0.05))
+        self._media: dict[str, dict[int, int]] = {m: {} for m in MEDIA}
+        self._gpu = self._media["GPU"]
+        self._cpu = self._media["CPU"]
+        self._disk = self._media["DISK"]
+        self._spec: dict[int, int] = {}
+        self._spec_heap: list[tuple[float, int, int, tuple[int, ...]]] = []
+        self._spec_seq = itertools.count()
+        self._slots: dict[tuple[str, int], _Slot] = {}
+        self._by_bit: list[_Slot] = []
+        self._ep_mask: dict[str, int] = {}
+        self._all_mask = 0
+        self.max_blocks = self.config.max_blocks_per_worker
+        self.clock = time.monotonic
+
+    # ---- slots -------------------------------------------------------------------------
+
+    def _slot(self, endpoint: str, rank: int | None) -> _Slot:
+        key = (endpoint, rank or 0)
+        s = self._slots.get(key)
+        if s is None:
+            bit = len(self._by_bit)
+            s = _Slot(endpoint, rank or 0, bit)
+            self._slots[key] = s
+            self._by_bit.append(s)
+            self._ep_mask[endpoint] = self._ep_mask.get(endpoint, 0) | (1 << bit)
+            self._all_mask |= 1 << bit
+        return s
+
+    def endpoints(self) -> list[str]:
+        """Endpoints the index has seen (events or speculative inserts)."""
+        return list(self._ep_mask)
+
+    def lookup_engine(self, endpoint: str, rank: int | None, ekey: int) -> int | None:
+        """Our key for an engine block hash (`engine_key`) on one worker, or None."""
+        s = self._slots.get((endpoint, rank or 0))
+        return None if s is None else s.emap.get(ekey)
+
+    # ---- updates (from events) ---------------------------------------------------------
+
+    def add(
+        self,
+        endpoint: str,
+        rank: int | None,
+        ekeys: Sequence[int],
+        keys: Sequence[int],
+        medium: str = "GPU",
+    ) -> int:
+        """A worker stores these blocks (engine keys ↔ our keys). Returns new entries."""
+        s = self._slot(endpoint, rank)
+        d = self._media.get(medium, self._gpu)
+        medium = medium if medium in self._media else "GPU"
+        bit = 1 << s.bit
+        emap = s.emap
+        new = 0
+        for ek, k in zip(ekeys, keys, strict=False):
+            m = d.get(k, 0)
+            if not m & bit:
+                d[k] = m | bit
+                new += 1
+            emap[ek] = k
+        if new:
+            s.counts[medium] += new
+            INDEX_ENTRIES.labels(medium).inc(new)
+        if s.spec:
+            self._confirm(s, keys)
+        if len(emap) > self.max_blocks:
+            self._evict(s, len(emap) - self.max_blocks + max(1, self.max_blocks // 64))
+        return new
+
+    def remove(
+        self, endpoint: str, rank: int | None, ekeys: Sequence[int], medium: str = "GPU"
+    ) -> tuple[int, int]:
+        """A worker dropped these blocks from `medium`. Returns (removed, unknown)."""
+        s = self._slots.get((endpoint, rank or 0))
+        if s is None:
+            return 0, len(ekeys)
+        medium = medium if medium in self._media else "GPU"
+        d = self._media[medium]
+        bit = 1 << s.bit
+        emap = s.emap
+        others = [self._media[m] for m in MEDIA if m != medium and s.counts[m]]
+        removed = unknown = 0
+        for ek in ekeys:
+            k = emap.get(ek)
+            if k is None:
+                unknown += 1
+                continue
+            m = d.get(k, 0)
+            if m & bit:
+                m ^= bit
+                if m:
+                    d[k] = m
+                else:
+                    del d[k]
+                removed += 1
+            if not any(o.get(k, 0) & bit for o in others):
+                del emap[ek]
+        if removed:
+            s.counts[medium] -= removed
+            INDEX_ENTRIES.labels(medium).dec(removed)
+        return removed, unknown
+
+    def _drop_keys(self, s: _Slot, keys: Iterable[int]) -> None:
+        bit = 1 << s.bit
+        for medium in MEDIA:
+            if not s.counts[medium]:
+                continue
+            d = self._media[medium]
+            n = 0
+            for k in keys:
+                m = d.get(k, 0)
+                if m & bit:
+                    m ^= bit
+                    if m:
+                        d[k] = m
+                    else:
+                        del d[k]
+                    n += 1
+            s.counts[medium] -= n
+            INDEX_ENTRIES.labels(medium).dec(n)
+
+    def _evict(self, s: _Slot, n: int) -> None:
+        # Oldest first: dicts keep insertion order. Batched so the scan stays amortised.
+        victims = list(itertools.islice(s.emap.items(), n))
+        for ek, _ in victims:
+            del s.emap[ek]
+        self._drop_keys(s, [k for _, k in victims])
+        s.evictions += len(victims)
+        INDEX_EVICTIONS.inc(len(victims))
+
+    def clear(self, endpoint: str, rank: int | None = None) -> None:
+        """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is None."""
+        for s in list(self._slots.values()):
+            if s.endpoint != endpoint or (rank is not None and s.rank != rank):
+                continue
+            self._drop_keys(s, list(s.emap.values()))
+            s.emap.clear()
+            self._drop_spec(s)
+
+    def purge(self, endpoint: str) -> None:
+        """Forget everything about a worker (restart, unrecoverable gap, removal)."""
+        self.clear(endpoint)
+        for s in self._slots.values():
+            if s.endpoint == endpoint:
+                s.purges += 1
+
+    # ---- speculative entries -----------------------------------------------------------
+
+    def insert_speculative(
+        self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None
+    ) -> None:
+        """The router just sent these blocks to `endpoint`: count them as held (GPU) until a
+        confirming BlockStored replaces them or `ttl_s` (default index.speculative_ttl_s) ends."""
+        ttl = self.config.speculative_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0 or not keys:
+            return
+        s = self._slot(endpoint, 0)
+        bit = 1 << s.bit
+        exp = self.clock() + ttl
+        spec = self._spec
+        gpu = self._gpu
+        new: list[int] = []
+        for k in keys:
+            if gpu.get(k, 0) & bit:
+                continue  # already confirmed
+            spec[k] = spec.get(k, 0) | bit
+            s.spec[k] = exp
+            new.append(k)
+        if new:
+            heapq.heappush(self._spec_heap, (exp, next(self._spec_seq), s.bit, tuple(new)))
+            SPECULATIVE.labels("inserted").inc(len(new))
+
+    def _spec_clear(self, k: int, bit: int) -> None:
+        m = self._spec.get(k, 0)
+        if m & bit:
+            m ^= bit
+            if m:
+                self._spec[k] = m
+            else:
+                del self._spec[k]
+
+    def _confirm(self, s: _Slot, keys: Sequence[int]) -> None:
+        bit = 1 << s.bit
+        n = 0
+        for k in keys:
+            if s.spec.pop(k, None) is not None:
+                self._spec_clear(k, bit)
+                n += 1
+        if n:
+            SPECULATIVE.labels("confirmed").inc(n)
+
+    def _drop_spec(self, s: _Slot) -> None:
+        bit = 1 << s.bit
+        for k in s.spec:
+            self._spec_clear(k, bit)
+        s.spec.clear()
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop speculative entries whose TTL has passed (match calls this)."""
+        heap = self._spec_heap
+        if not heap:
+            return
+        now = self.clock() if now is None else now
+        n = 0
+        while heap and heap[0][0] <= now:
+            _, _, b, keys = heapq.heappop(heap)
+            s = self._by_bit[b]
+            bit = 1 << b
+            for k in keys:
+                exp = s.spec.get(k)
+                if exp is not None and exp <= now:  # not re-inserted later
+                    del s.spec[k]
+                    self._spec_clear(k, bit)
+                    n += 1
+        if n:
+            SPECULATIVE.labels("expired").inc(n)
+
+    # ---- queries -----------------------------------------------------------------------
+
+    def match(
+        self, keys: Sequence[int], endpoints: Iterable[str] | None = None
+    ) -> dict[str, Match]:
+        """Per worker, the contiguous leading blocks of `keys` it holds (only workers with
+        >= 1 matched block appear). Speculative blocks count as GPU."""
+        if self._spec_heap:
+            self.expire()
+        if endpoints is None:
+            allowed = self._all_mask
+        else:
+            allowed = 0
+            epm = self._ep_mask
+            for ep in endpoints:
+                allowed |= epm.get(ep, 0)
+        if not allowed or not keys:
+            return {}
+        zero = itertools.repeat(0)
+        masks: Iterable[int] = map(self._gpu.get, keys, zero)
+        cpu, disk, spec = self._cpu, self._disk, self._spec
+        if spec:
+            masks = map(or_, masks, map(spec.get, keys, zero))
+        if cpu:
+            masks = map(or_, masks, map(cpu.get, keys, zero))
+        if disk:
+            masks = map(or_, masks, map(disk.get, keys, zero))
+        # Running AND: alive_i = workers holding blocks 0..i. Stop at the first empty set.
+        running = itertools.takewhile(bool, itertools.accumulate(masks, and_, initial=allowed))
+        next(running)  # the initial value
+        counts: dict[int, int] = {}  # bit index → matched blocks
+        prev = 0
+        pos = 0
+        for alive, grp in itertools.groupby(running):
+            n = sum(1 for _ in grp)
+            if prev:
+                for b in _bits(prev & ~alive):
+                    counts[b] = pos
+            prev = alive
+            pos += n
+        for b in _bits(prev):
+            counts[b] = pos
+        if not counts:
+            return {}
+        if cpu or disk:
+            return self._split_media(keys, counts)
+        wg = self._wg
+        out: dict[str, Match] = {}
+        by_bit = self._by_bit
+        for b, c in counts.items():
+            ep = by_bit[b].endpoint
+            cur = out.get(ep)
+            if cur is None or c > cur.blocks:
+                out[ep] = Match(c, {"GPU": c}, c * wg)
+        return out
+
+    def _split_media(self, keys: Sequence[int], counts: dict[int, int]) -> dict[str, Match]:
+        # A block on several media counts once, on its best one (GPU/speculative > CPU > DISK).
+        top = max(counts.values())
+        gpu, spec, cpu = self._gpu, self._spec, self._cpu
+        matched = 0
+        for b in counts:
+            matched |= 1 << b
+        n_cpu = dict.fromkeys(counts, 0)
+        n_disk = dict.fromkeys(counts, 0)
+        for i in range(top):
+            k = keys[i]
+            fast = gpu.get(k, 0) | spec.get(k, 0)
+            slow = matched & ~fast
+            if not slow:
+                continue
+            on_cpu = cpu.get(k, 0)
+            for b in _bits(slow):
+                if i < counts[b]:
+                    if on_cpu >> b & 1:
+                        n_cpu[b] += 1
+                    else:
+                        n_disk[b] += 1
+        out: dict[str, Match] = {}
+        for b, c in counts.items():
+            nc, nd = n_cpu[b], n_disk[b]
+            ng = c - nc - nd
+            m = Match(
+                c,
+                {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
+                ng * self._wg + nc * self._wc + nd * self._wd,
+            )
+            ep = self._by_bit[b].endpoint
+            cur = out.get(ep)
+            if cur is None or m.blocks > cur.blocks:
+                out[ep] = m
+        return out
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def stats(self, endpoint: str) -> dict[str, Any]:
+        """Blocks by medium, speculative entries, evictions, purges (for /debug/index)."""
+        by_medium = dict.fromkeys(MEDIA, 0)
+        spec = evictions = purges = engine = 0
+        ranks = []
+        for s in self._slots.values():
+            if s.endpoint != endpoint:
+                continue
+            ranks.append(s.rank)
+            for m in MEDIA:
+                by_medium[m] += s.counts[m]
+            spec += len(s.spec)
+            evictions += s.evictions
+            purges = max(purges, s.purges)
+            engine += len(s.emap)
+        return {
+            "blocks": by_medium,
+            "engine_hashes": engine,
+            "speculative": spec,
+            "evictions": evictions,
+            "purges": purges,
+            "ranks": sorted(ranks),
+        }
+
+    def total_entries(self) -> int:
+        """Stored (block, worker) entries over all media."""
+        return sum(s.counts[m] for s in self._slots.values() for m in MEDIA)
+
+
+__all__ = ["MEDIA", "BlockIndex", "Match"]
