@@ -1,0 +1,338 @@
+"""Local tokenizers per model: files on disk only, never the network.
+
+A model's tokenizer is a `tokenizer.json` file, a directory holding `tokenizer.json` (and
+usually `tokenizer_config.json`, maybe `chat_template.jinja`), or a HuggingFace cache entry
+(`models--ORG--NAME/snapshots/HASH/`, the snapshot named by `refs/main` first).
+
+What transformers adds on top of `tokenizer.json` and we mirror (transformers 5.x,
+`TokenizersBackend.__init__` / `update_post_processor`):
+
+* named special tokens (`bos_token`, `eos_token`, ...) from `tokenizer_config.json`; they are
+  also the template variables `apply_chat_template` passes (`special_tokens_map`);
+* when `tokenizer_config.json` sets `add_bos_token` or `add_eos_token`, the post-processor
+  becomes `[bos] $A [eos]` by those flags; otherwise `tokenizer.json`'s post-processor
+  decides what `add_special_tokens=True` adds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from scorer.tokens.segments import SegmentCache, added_token_pattern, bytes_to_ids, ids_to_bytes
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+_space_ids = itertools.count(1)
+
+
+class TokenizerLoadError(Exception):
+    """A tokenizer path that cannot be used; the message names the path and why."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TokenizerLoadError(f"{path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise TokenizerLoadError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path}: the top level must be an object")
+    return data
+
+
+def _hf_snapshot(root: Path) -> Path | None:
+    """The snapshot directory of a HF cache entry `models--ORG--NAME` (or its snapshots/)."""
+    snaps = root / "snapshots" if (root / "snapshots").is_dir() else root
+    if snaps.name != "snapshots":
+        return None
+    ref = snaps.parent / "refs" / "main"
+    if ref.is_file():
+        cand = snaps / ref.read_text().strip()
+        if (cand / "tokenizer.json").is_file():
+            return cand
+    found = [d for d in snaps.iterdir() if (d / "tokenizer.json").is_file()]
+    if not found:
+        return None
+    # No refs/main: the most recently written snapshot.
+    return max(found, key=lambda d: (d / "tokenizer.json").stat().st_mtime)
+
+
+def resolve_tokenizer_files(path: str | Path) -> tuple[Path, Path | None]:
+    """(tokenizer.json, tokenizer_config.json or None) for a file, directory or HF cache."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        cfg = p.parent / "tokenizer_config.json"
+        return p, cfg if cfg.is_file() else None
+    if not p.is_dir():
+        raise TokenizerLoadError(f"{p}: no such file or directory")
+    d: Path | None = p if (p / "tokenizer.json").is_file() else _hf_snapshot(p)
+    if d is None:
+        raise TokenizerLoadError(
+            f"{p}: no tokenizer.json here (nor in a HuggingFace cache snapshot below it)"
+        )
+    cfg = d / "tokenizer_config.json"
+    return d / "tokenizer.json", cfg if cfg.is_file() else None
+
+
+def _token_str(v: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as serialised AddedToken
+    # objects ({"content": ..., "__type": "AddedToken", ...}).
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return str(v["content"])
+    return None
+
+
+@dataclass(slots=True)
+class EncodeStats:
+    """What one `encode_bytes` call did (for the benchmark and the tests)."""
+
+    segments: int = 0
+    misses: int = 0
+    encoded_chars: int = 0
+
+
+@dataclass
+class LocalTokenizer:
+    """One loaded tokenizer with its chat templates and special-token facts."""
+
+    path: Path
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    special_tokens: dict[str, str]  # bos_token → "<s>", ... (template variables)
+    chat_templates: dict[str, str]  # name → source; "default" is the plain one
+    prefix_ids: tuple[int, ...] = ()  # what add_special_tokens=True puts before the text
+    suffix_ids: tuple[int, ...] = ()  # ... and after it
+    added: dict[str, int] = field(default_factory=dict)  # added token content → id
+    segment_safe: bool = False
+    space: int = 0  # namespace of this tokenizer's entries in a shared SegmentCache
+
+    def __post_init__(self) -> None:
+        self.space = next(_space_ids)
+        self._pattern = added_token_pattern(self.added)
+        self._added_bytes = {c: ids_to_bytes([i]) for c, i in self.added.items()}
+
+    # -- encoding ---------------------------------------------------------------------
+    def encode_whole(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Reference path: one `tokenizers` call on the whole text."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens:
+            ids = [*self.prefix_ids, *ids, *self.suffix_ids]
+        return ids
+
+    def split(self, text: str) -> list[str]:
+        """[text, added, text, added, ..., text] (the text pieces may be empty)."""
+        if self._pattern is None:
+            return [text]
+        return self._pattern.split(text)
+
+    def encode_bytes(
+        self,
+        text: str,
+        cache: SegmentCache | None,
+        add_special_tokens: bool = False,
+        stats: EncodeStats | None = None,
+    ) -> bytes:
+        """Token ids of `text` packed as uint32 LE, reusing cached segments.
+
+        Equal to `encode_whole` (the property tests check it); falls back to one whole
+        call when the tokenizer is not segment-safe or there is no cache.
+        """
+        if not self.segment_safe or cache is None or cache.max_bytes <= 0:
+            body = ids_to_bytes(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            if stats is not None:
+                stats.segments += 1
+                stats.misses += 1
+                stats.encoded_chars += len(text)
+        else:
+            pieces = self.split(text)
+            texts = pieces[0::2]
+            # Empty pieces (adjacent added tokens) encode to nothing: skip them.
+            wanted = [t for t in texts if t]
+            found = cache.lookup(self.space, wanted)
+            got: dict[str, bytes] = {}
+            missing: list[str] = []
+            for t, v in zip(wanted, found, strict=True):
+                if v is None:
+                    missing.append(t)
+                else:
+                    got[t] = v
+            if missing:
+                uniq = list(dict.fromkeys(missing))
+                encs = self.tokenizer.encode_batch_fast(uniq, add_special_tokens=False)
+                new = [(t, ids_to_bytes(e.ids)) for t, e in zip(uniq, encs, strict=True)]
+                cache.store(self.space, new)
+                got.update(new)
+            if stats is not None:
+                stats.segments += len(wanted)
+                stats.misses += len(missing)
+                stats.encoded_chars += sum(len(t) for t in missing)
+            added = self._added_bytes
+            out: list[bytes] = []
+            for i, p in enumerate(pieces):
+                if i & 1:
+                    out.append(added[p])
+                elif p:
+                    out.append(got[p])
+            body = b"".join(out)
+        if add_special_tokens and (self.prefix_ids or self.suffix_ids):
+            body = ids_to_bytes(self.prefix_ids) + body + ids_to_bytes(self.suffix_ids)
+        return body
+
+    def encode(
+        self, text: str, cache: SegmentCache | None = None, add_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of `text` (see `encode_bytes`)."""
+        return bytes_to_ids(self.encode_bytes(text, cache, add_special_tokens))
+
+    def chat_template(self, name_or_source: str | None, has_tools: bool) -> str | None:
+        """The template to render: a request/config override, a named one, or the default.
+
+        Mirrors transformers' `get_chat_template`: with several named templates, a name
+        picks one, else "tool_use" when tools are given, else "default".
+        """
+        if name_or_source is not None:
+            return self.chat_templates.get(name_or_source, name_or_source)
+        if has_tools and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        return self.chat_templates.get("default")
+
+
+def _probe_texts(added: list[str]) -> list[str]:
+    """Texts that exercise whitespace and normalization next to added tokens."""
+    words = [
+        "",
+        " ",
+        "  ",
+        "\n",
+        "\n\n",
+        "\t",
+        "hello",
+        " hello ",
+        "hello\n",
+        "\nworld",
+        "e\u0301",
+        "\u0301x",
+        "'s",
+        "123",
+        "日本語",
+        "<",
+        ">",
+        "|",
+    ]
+    out = []
+    for tok in added:
+        for a, b in itertools.product(words, repeat=2):
+            out.append(a + tok + b)
+        out.append(tok + tok + " " + tok + "\n" + tok)
+    return out
+
+
+def load_tokenizer(
+    path: str | Path, chat_template_file: str | Path | None = None
+) -> LocalTokenizer:
+    """Load a tokenizer from local files (see the module docstring); never the network."""
+    tj, cfg_path = resolve_tokenizer_files(path)
+    try:
+        tok = Tokenizer.from_file(str(tj))
+    except Exception as e:  # tokenizers raises a plain Exception on bad files
+        raise TokenizerLoadError(f"{tj}: cannot load: {e}") from e
+    cfg = _read_json(cfg_path) if cfg_path is not None else {}
+
+    special = {n: s for n in SPECIAL_TOKEN_NAMES if (s := _token_str(cfg.get(n))) is not None}
+
+    templates: dict[str, str] = {}
+    raw = cfg.get("chat_template")
+    if isinstance(raw, str):
+        templates["default"] = raw
+    elif isinstance(raw, list):  # [{"name": ..., "template": ...}, ...]
+        for item in raw:
+            if isinstance(item, dict) and isinstance(item.get("template"), str):
+                templates[str(item.get("name", "default"))] = item["template"]
+    jinja_file = tj.parent / "chat_template.jinja"
+    if jinja_file.is_file():  # transformers >= 4.43 saves the template beside the config
+        templates["default"] = jinja_file.read_text(encoding="utf-8")
+    if chat_template_file is not None:
+        try:
+            templates["default"] = Path(chat_template_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise TokenizerLoadError(f"{chat_template_file}: {e.strerror}") from e
+
+    decoder = tok.get_added_tokens_decoder()
+    added = {t.content: i for i, t in decoder.items()}
+
+    # add_special_tokens=True: what the post-processor puts around the text.
+    if "add_bos_token" in cfg or "add_eos_token" in cfg:
+        pre: list[int] = []
+        suf: list[int] = []
+        for flag, name, dest in (
+            ("add_bos_token", "bos_token", pre),
+            ("add_eos_token", "eos_token", suf),
+        ):
+            tokname = special.get(name)
+            if cfg.get(flag) and tokname is not None:
+                tid = tok.token_to_id(tokname)
+                if tid is None:
+                    raise TokenizerLoadError(f"{cfg_path}: {name} {tokname!r} is not in the vocab")
+                dest.append(tid)
+        prefix, suffix = tuple(pre), tuple(suf)
+    else:
+        plain = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+        prefix, suffix = (), ()
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                prefix, suffix = tuple(full[:i]), tuple(full[i + len(plain) :])
+                break
+
+    # Flags that make a token eat its neighbours or match after normalization break the
+    # "pieces are independent" argument: such tokenizers are encoded whole.
+    safe = all(
+        not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in decoder.values()
+    )
+    lt = LocalTokenizer(
+        path=tj,
+        tokenizer=tok,
+        config=cfg,
+        special_tokens=special,
+        chat_templates=templates,
+        prefix_ids=prefix,
+        suffix_ids=suffix,
+        added=added,
+        segment_safe=safe,
+    )
+    if safe and added:
+        probe_cache = SegmentCache(1 << 20)
+        by_id = sorted(added, key=added.__getitem__)
+        # A few special and non-special tokens, not all of them: this runs at start-up.
+        sample = list(dict.fromkeys(by_id[:3] + by_id[-3:]))
+        for text in _probe_texts(sample):
+            if lt.encode(text, probe_cache) != lt.encode_whole(text):
+                log.warning(
+                    "tokenizer %s: segment-wise encoding differs from whole-text encoding "
+                    "on %r; encoding whole prompts (no segment cache)",
+                    tj,
+                    text,
+                )
+                lt.segment_safe = False
+                break
+    return lt

@@ -1,0 +1,330 @@
+"""The tokens stage of the request path: body → token ids → block keys.
+
+`Tokenization` owns the tokenizer registry (one tokenizer per model, LoRA adapters share
+their base model's), the segment cache and a small thread pool, and implements the
+`RequestPreparer` protocol of scorer.router.
+
+Completions (`prompt`): a string is tokenized with the tokenizer's default
+`add_special_tokens=True` (vLLM's default for /v1/completions); a list of ints is taken as
+token ids; a batch (a list of strings or a list of id lists) is scored by its FIRST prompt:
+vLLM runs every prompt of a batch on the worker the request lands on, and the first
+prompt's leading blocks carry whatever prefix the batch shares, at the cost of one prompt
+instead of all of them. `prompt_tokens` is that first prompt's length.
+
+Chat (`messages`): rendered like vLLM (see scorer.tokens.chat), then tokenized with
+`add_special_tokens=False` (vLLM's default for chat). A body's own `add_special_tokens`
+field overrides either default, as in vLLM.
+
+The block namespace folds the LoRA adapter (the request's `model` when it names an
+adapter of `tokens.lora_base`, or `RoutingRequest.lora`) and vLLM's `cache_salt`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from scorer.blocks import BlockHasher, namespace_key
+from scorer.config import Config, ConfigError
+from scorer.routing import RoutingRequest
+from scorer.tokens.chat import ChatError, render_chat
+from scorer.tokens.registry import (
+    EncodeStats,
+    LocalTokenizer,
+    TokenizerLoadError,
+    load_tokenizer,
+)
+from scorer.tokens.segments import SegmentCache, bytes_to_ids, ids_to_bytes
+
+log = logging.getLogger(__name__)
+
+TOKENIZE_SECONDS = Histogram(
+    "kv_scorer_tokenize_seconds",
+    "Time from request body to block keys (render + tokenize + hash), in the worker thread.",
+    buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+)
+TOKENIZE_OUTCOMES = Counter(
+    "kv_scorer_tokenize_requests",
+    "Requests through the tokens stage by outcome (ok, no_tokenizer, error).",
+    ["outcome"],
+)
+
+
+class TokenizeError(ValueError):
+    """The body cannot be turned into tokens (bad shape, template error)."""
+
+
+class NoTokenizer(LookupError):
+    """No tokenizer is configured for the model."""
+
+
+@dataclass(slots=True)
+class TokenizedPrompt:
+    """A request's prompt as the engine will see it, and its block keys."""
+
+    token_ids: list[int]
+    block_keys: list[int]
+    namespace: int
+    block_size: int
+    model: str | None = None  # the base model whose tokenizer was used
+    lora: str | None = None
+    cache_salt: str | None = None
+    kind: str = "completion"  # "completion" | "chat" | "token_ids"
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class Tokenization:
+    """Tokenizer registry + segment cache + thread pool; the scorer's `RequestPreparer`.
+
+    Constructor: `Tokenization(config, hasher)`, with `config.tokens` (models, lora_base,
+    on_missing, threads, segment_cache_bytes) and `config.pool.models` (checked at
+    start-up when `on_missing` is "error"), and the app's shared `BlockHasher`
+    (`config.pool.block_size`, `config.index.hash`). Tokenizers load here, from local files
+    only; a bad path raises `ConfigError` naming `tokens.models.<model>.tokenizer`.
+
+    `await prepare(request)` fills `token_ids`, `block_keys`, `block_size`, `prompt_tokens`
+    (or `tokenize_error`), running the work in the pool. `tokenize_body(model, body)` is the
+    same work, synchronously (for `/debug/score` and `kv-scorer tokens`). `stop()` shuts the
+    pool down and releases the cache.
+    """
+
+    def __init__(self, config: Config, hasher: BlockHasher) -> None:
+        self.config = config
+        self.hasher = hasher
+        tc = config.tokens
+        self.lora_base = dict(tc.lora_base)
+        self.cache = SegmentCache(tc.segment_cache_bytes)
+        self._tokenizers: dict[str, LocalTokenizer] = {}
+        by_source: dict[tuple[str, str | None], LocalTokenizer] = {}
+        for model, mc in tc.models.items():
+            key = (str(Path(mc.tokenizer).expanduser().resolve()), mc.chat_template)
+            lt = by_source.get(key)
+            if lt is None:
+                if mc.chat_template is not None and not Path(mc.chat_template).is_file():
+                    raise ConfigError(
+                        f"tokens.models.{model}.chat_template: {mc.chat_template}: no such file"
+                    )
+                try:
+                    lt = load_tokenizer(mc.tokenizer, mc.chat_template)
+                except TokenizerLoadError as e:
+                    raise ConfigError(f"tokens.models.{model}.tokenizer: {e}") from e
+                by_source[key] = lt
+            self._tokenizers[model] = lt
+        for adapter, base in self.lora_base.items():
+            if base not in self._tokenizers and tc.on_missing == "error":
+                raise ConfigError(
+                    f"tokens.lora_base.{adapter}: base model {base!r} has no tokenizer in "
+                    "tokens.models"
+                )
+        if tc.on_missing == "error":
+            for model in config.pool.models:
+                if self.tokenizer_for(model) is None:
+                    raise ConfigError(
+                        f"tokens.models: no tokenizer for model {model!r} (listed in "
+                        "pool.models; tokens.on_missing is 'error')"
+                    )
+        self._pool: ThreadPoolExecutor | None = None
+        self._threads = tc.threads
+
+    # -- lifecycle (app component) -------------------------------------------------------
+    async def start(self) -> None:
+        """Create the thread pool (also created lazily by the first `prepare`)."""
+        self._executor()
+
+    async def stop(self) -> None:
+        """Shut the pool down and release the segment cache."""
+        self.close()
+
+    def close(self) -> None:
+        """Synchronous `stop`."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        self.cache.clear()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-tokens")
+        return self._pool
+
+    # -- lookups ---------------------------------------------------------------------------
+    def base_model(self, model: str | None) -> str | None:
+        """The model whose tokenizer serves `model` (itself, or a LoRA adapter's base)."""
+        if model is None:
+            return None
+        return self.lora_base.get(model, model)
+
+    def tokenizer_for(self, model: str | None) -> LocalTokenizer | None:
+        """The tokenizer for a model or LoRA adapter name, or None."""
+        base = self.base_model(model)
+        return None if base is None else self._tokenizers.get(base)
+
+    @property
+    def models(self) -> list[str]:
+        """Models with a tokenizer."""
+        return sorted(self._tokenizers)
+
+    # -- the work --------------------------------------------------------------------------
+    def tokenize_body(
+        self,
+        model: str | None,
+        body: Mapping[str, Any],
+        lora: str | None = None,
+        cache_salt: str | None = None,
+    ) -> TokenizedPrompt:
+        """Token ids and block keys of a completions or chat body (synchronous).
+
+        `model` defaults to `body["model"]`; a LoRA adapter name (a key of
+        `tokens.lora_base`) selects its base tokenizer and its own block namespace.
+        Raises `NoTokenizer` or `TokenizeError`.
+        """
+        if not isinstance(body, Mapping):
+            raise TokenizeError("the request body must be a JSON object")
+        if model is None:
+            m = body.get("model")
+            model = m if isinstance(m, str) else None
+        lt = self.tokenizer_for(model)
+        if lt is None:
+            raise NoTokenizer(f"no tokenizer for model {model!r}")
+        base = self.base_model(model)
+        if lora is None and model is not None and model in self.lora_base:
+            lora = model
+        if cache_salt is None:
+            salt = body.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise TokenizeError("cache_salt must be a string")
+            cache_salt = salt
+        ns = namespace_key(lora_name=lora, cache_salt=cache_salt)
+
+        stats: dict[str, int] = {}
+        add_special = body.get("add_special_tokens")
+        if add_special is not None and not isinstance(add_special, bool):
+            raise TokenizeError("add_special_tokens must be a boolean")
+        if "messages" in body:
+            kind = "chat"
+            buf = self._chat_bytes(lt, body, bool(add_special), stats)
+        elif "prompt" in body:
+            kind, buf = self._prompt_bytes(
+                lt, body["prompt"], True if add_special is None else add_special, stats
+            )
+        else:
+            raise TokenizeError("the body has neither 'messages' nor 'prompt'")
+        keys = self.hasher.keys_from_bytes(buf, ns)
+        return TokenizedPrompt(
+            token_ids=bytes_to_ids(buf),
+            block_keys=keys,
+            namespace=ns,
+            block_size=self.hasher.block_size,
+            model=base,
+            lora=lora,
+            cache_salt=cache_salt,
+            kind=kind,
+            stats=stats,
+        )
+
+    def render(self, model: str | None, body: Mapping[str, Any]) -> str:
+        """The prompt string a chat body renders to (for operators and tests)."""
+        lt = self.tokenizer_for(model if model is not None else body.get("model"))
+        if lt is None:
+            raise NoTokenizer(f"no tokenizer for model {model!r}")
+        return self._render(lt, body)
+
+    def _render(self, lt: LocalTokenizer, body: Mapping[str, Any]) -> str:
+        override = body.get("chat_template")
+        if override is not None and not isinstance(override, str):
+            raise TokenizeError("chat_template must be a string")
+        template = lt.chat_template(override, bool(body.get("tools")))
+        if template is None:
+            raise TokenizeError("the model's tokenizer has no chat template")
+        try:
+            return render_chat(body, template, lt.special_tokens)
+        except ChatError as e:
+            raise TokenizeError(str(e)) from e
+
+    def _chat_bytes(
+        self,
+        lt: LocalTokenizer,
+        body: Mapping[str, Any],
+        add_special: bool,
+        stats: dict[str, int],
+    ) -> bytes:
+        text = self._render(lt, body)
+        es = EncodeStats()
+        buf = lt.encode_bytes(text, self.cache, add_special, es)
+        stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
+        return buf
+
+    def _prompt_bytes(
+        self, lt: LocalTokenizer, prompt: Any, add_special: bool, stats: dict[str, int]
+    ) -> tuple[str, bytes]:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise TokenizeError("prompt must not be an empty list")
+            first = prompt[0]
+            if isinstance(first, int) and not isinstance(first, bool):
+                return "token_ids", self._ids_bytes(prompt)
+            # A batch: score the first prompt (see the module docstring).
+            stats["batch"] = len(prompt)
+            prompt = first
+            if isinstance(prompt, list):
+                return "token_ids", self._ids_bytes(prompt)
+        if not isinstance(prompt, str):
+            raise TokenizeError("prompt must be a string, a list of token ids, or a batch")
+        es = EncodeStats()
+        buf = lt.encode_bytes(prompt, self.cache, add_special, es)
+        stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
+        return "completion", buf
+
+    @staticmethod
+    def _ids_bytes(ids: list[Any]) -> bytes:
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TokenizeError("token id prompts must be lists of integers")
+        try:
+            return ids_to_bytes(ids)
+        except OverflowError as e:
+            raise TokenizeError("token ids must be in [0, 2**32)") from e
+
+    # -- RequestPreparer -------------------------------------------------------------------
+    def prepare_sync(self, request: RoutingRequest) -> None:
+        """Fill the request's token fields in the calling thread (see `prepare`)."""
+        t0 = time.perf_counter()
+        body = request.body
+        if body is None:
+            return
+        model = request.model if request.model is not None else body.get("model")
+        if self.tokenizer_for(model) is None:
+            TOKENIZE_OUTCOMES.labels("no_tokenizer").inc()
+            return  # token_ids stays None: the policy routes by load (no_tokenizer)
+        try:
+            tp = self.tokenize_body(model, body, lora=request.lora, cache_salt=request.cache_salt)
+        except (TokenizeError, NoTokenizer) as e:
+            request.tokenize_error = str(e)
+            TOKENIZE_OUTCOMES.labels("error").inc()
+            return
+        request.token_ids = tp.token_ids
+        request.block_keys = tp.block_keys
+        request.block_size = tp.block_size
+        request.prompt_tokens = len(tp.token_ids)
+        if request.cache_salt is None:
+            request.cache_salt = tp.cache_salt
+        if request.lora is None:
+            request.lora = tp.lora
+        TOKENIZE_OUTCOMES.labels("ok").inc()
+        TOKENIZE_SECONDS.observe(time.perf_counter() - t0)
+
+    async def prepare(self, request: RoutingRequest) -> None:
+        """Fill `token_ids`, `block_keys`, `block_size`, `prompt_tokens` off the event loop.
+
+        No tokenizer for the model: leaves `token_ids` None. A body that cannot be
+        rendered or tokenized: sets `tokenize_error`. Never raises for a bad body.
+        """
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor(), self.prepare_sync, request)
