@@ -11,6 +11,7 @@ from typing import Protocol
 
 from scorer.decisions import DecisionLog
 from scorer.policy.base import Policy
+from scorer.policy.metrics import observe_decision
 from scorer.pool.workers import Pool
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 
@@ -62,16 +63,24 @@ class Router:
                 )
         else:
             t_tok = time.perf_counter()
+            prepared = False
             if self.policy.needs_tokens and self.preparer is not None and request.body:
                 await self.preparer.prepare(request)
+                prepared = True
             t_dec = time.perf_counter()
             d = self.policy.decide(request, candidates)
             t_end = time.perf_counter()
-            d.stages.setdefault("tokenize", t_dec - t_tok)
+            # Stages measured upstream (parse: data path; tokenize/hash: scorer.tokens).
+            for stage, seconds in request.stages.items():
+                d.stages.setdefault(stage, seconds)
+            if prepared:
+                d.stages.setdefault("tokenize", t_dec - t_tok)
             d.stages.setdefault("policy", t_end - t_dec)
         d.request_id = request.request_id
         d.model = request.model
         d.request_tokens = d.request_tokens or request.prompt_tokens
-        d.stages["total"] = time.perf_counter() - t0
+        # total = parse → endpoint: the data path's parse time plus the pipeline above.
+        d.stages["total"] = time.perf_counter() - t0 + request.stages.get("parse", 0.0)
         self.decisions.add(d)
+        observe_decision(d)
         return d

@@ -55,6 +55,10 @@ class RoutingRequest:
     prompt_tokens: int = 0  # exact when tokenized, else an estimate from the body size
     tokenize_error: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    # Seconds spent per stage before the policy ran, keyed like Decision.stages:
+    # "parse" (data path), "tokenize" and "hash" (scorer.tokens). The router copies them
+    # into the decision and the decision-latency histogram.
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,13 @@ class ScrapedLoad:
     at: float = 0.0  # monotonic time of the last good scrape; 0 = never
     error: str | None = None
     failures: int = 0
+    # Added by scorer.pool.scrape (issue 5): what else the engine told us.
+    engine: str | None = None  # "vllm" or "sglang", from the metric names seen
+    block_size_mismatch: bool = False  # engine block size != config.pool.block_size
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    cache_hit_rate: float | None = None  # SGLang's gauge, or vLLM hits/queries counters
+    attempts: int = 0  # scrapes tried (success or not)
 
 
 @dataclass

@@ -1,0 +1,193 @@
+"""The cost model shared by the cache-aware policies (`kv`, `approx`) and the busy filter.
+
+Per candidate worker, in KV blocks (Dynamo's current router cost; see its "Routing
+Concepts" page, docs.nvidia.com/dynamo/dev/components/router/routing-concepts):
+
+    cost = prefill_load_scale * max(active_prefill + request_blocks - overlap_credit, 0)
+           + active_decode + request_blocks
+    overlap_credit = credit * sum over media m of medium_credit[m] * overlap_blocks[m]
+
+Lowest cost wins; ties go to the least loaded (active_prefill + active_decode, then
+in-flight requests), then to a random one. With temperature T > 0 the winner is sampled
+with p_i ~ exp(-(c_i - c_min) / ((c_max - c_min) * T)).
+
+Load terms (how the scrape and the router's own accounting combine):
+
+    active_prefill = max(inflight.prefill_blocks, waiting * waiting_request_blocks)
+    active_decode  = max(inflight.decode_blocks, kv_usage * num_gpu_blocks)
+
+where `waiting` / `kv_usage` / `num_gpu_blocks` come from the last scrape ONLY when it is
+fresh (`load.stale_after_s`), else only the in-flight terms count. `max`, not `+`: the
+engine's queue already contains the requests this router sent, so adding would count them
+twice; the router's view is ahead of the scrape during a burst, the scrape sees traffic
+from other routers — each covers the other's blind spot.
+
+Credit decay (caps how much traffic one hot prefix can pull onto one worker):
+
+    load_i  = active_prefill_i + active_decode_i                       (blocks)
+    excess  = (load_i - load_min) / max(load_min, request_blocks, 1)   (dimensionless)
+    credit  = 1 / (1 + credit_decay * excess)      [* stale_credit for a stale stream]
+
+i.e. excess counts how many "least-loaded loads" (or request sizes, on an idle pool) a
+worker is above the least-loaded candidate.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from scorer.policy.base import PolicyOptions
+from scorer.pool.scrape import fresh_scrape
+from scorer.pool.workers import Worker
+
+# Busy thresholds: the Gateway API Inference Extension's saturation detector defaults
+# (pkg/epp/saturationdetector/config.go: queue depth 5, KV cache utilisation 0.8).
+DEFAULT_BUSY_WAITING = 5.0
+DEFAULT_BUSY_KV_USAGE = 0.8
+
+
+class BusyOptions(PolicyOptions):
+    """Busy filter: workers over a threshold are removed before scoring."""
+
+    # Scraped waiting queue at or above this → busy (only a fresh scrape counts). None: off.
+    busy_waiting: float | None = Field(DEFAULT_BUSY_WAITING, ge=0)
+    # Scraped KV usage (0..1) at or above this → busy (fresh scrape only). None: off.
+    busy_kv_usage: float | None = Field(DEFAULT_BUSY_KV_USAGE, ge=0, le=1)
+    # Router in-flight requests at or above this → busy (always current). None: off.
+    busy_inflight: int | None = Field(None, ge=1)
+    # All candidates busy: a request marked sheddable is refused with 429 (reason shed)
+    # instead of going to the least-bad worker (reason busy_all).
+    shed_when_busy: bool = True
+
+
+class CostOptions(BusyOptions):
+    """The `kv` / `approx` policy options (config `policies.kv` / `policies.approx`)."""
+
+    # Weight of the prefill term against the decode term (Dynamo: prefill_load_scale,
+    # formerly overlap_score_weight; default 1.0).
+    prefill_load_scale: float = Field(1.0, ge=0)
+    # Credit per cached block by medium. None: the index's `index.medium_weights`
+    # (GPU 1.0, CPU 0.3, DISK 0.05 by default).
+    medium_credit: dict[str, float] | None = None
+    # Credit decay on workers above the least loaded (see the module docstring). 0: off.
+    credit_decay: float = Field(0.1, ge=0)
+    # Softmax sampling temperature over normalised costs; 0 = always the lowest cost.
+    temperature: float = Field(0.0, ge=0)
+    # Blocks assumed per request waiting in an engine queue (for active_prefill from the
+    # scraped waiting count). None: the incoming request's own block count.
+    waiting_request_blocks: float | None = Field(None, ge=0)
+    # Credit multiplier for a worker whose event stream is stale or has an unrecovered gap.
+    stale_credit: float = Field(0.5, ge=0, le=1)
+    # Insert the winner's uncached blocks into the index speculatively so a burst of the
+    # same prefix hits before the engine's events arrive.
+    speculative: bool = True
+    # Extra endpoints (least loaded first) after the winner, for Envoy to retry on.
+    fallbacks: int = Field(0, ge=0, le=8)
+
+
+@dataclass(slots=True)
+class LoadTerms:
+    """A worker's load in blocks, as the cost function sees it."""
+
+    prefill: float
+    decode: float
+    waiting: float  # scraped (0 when stale)
+    kv_usage: float  # scraped (0 when stale)
+    fresh: bool
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode
+
+
+def load_terms(
+    w: Worker, now: float, stale_after_s: float, waiting_request_blocks: float
+) -> LoadTerms:
+    """Combine the router's in-flight accounting with a fresh scrape (see module doc)."""
+    fl = w.inflight
+    sc = w.scraped
+    prefill = fl.prefill_blocks
+    decode = fl.decode_blocks
+    if fresh_scrape(sc, now, stale_after_s):
+        if sc.waiting * waiting_request_blocks > prefill:
+            prefill = sc.waiting * waiting_request_blocks
+        if sc.num_gpu_blocks and sc.kv_usage * sc.num_gpu_blocks > decode:
+            decode = sc.kv_usage * sc.num_gpu_blocks
+        return LoadTerms(prefill, decode, sc.waiting, sc.kv_usage, True)
+    return LoadTerms(prefill, decode, 0.0, 0.0, False)
+
+
+def busy_reason(w: Worker, terms: LoadTerms, opts: BusyOptions) -> str | None:
+    """Why `w` is busy ("busy_waiting", "busy_kv_usage", "busy_inflight"), or None."""
+    if terms.fresh:
+        if opts.busy_waiting is not None and terms.waiting >= opts.busy_waiting:
+            return "busy_waiting"
+        if opts.busy_kv_usage is not None and terms.kv_usage >= opts.busy_kv_usage:
+            return "busy_kv_usage"
+    if opts.busy_inflight is not None and w.inflight.requests >= opts.busy_inflight:
+        return "busy_inflight"
+    return None
+
+
+def decayed_credit(load: float, load_min: float, request_blocks: float, decay: float) -> float:
+    """credit = 1 / (1 + decay * excess), excess = (load - load_min) / max(load_min, R, 1)."""
+    if decay <= 0.0 or load <= load_min:
+        return 1.0
+    excess = (load - load_min) / max(load_min, request_blocks, 1.0)
+    return 1.0 / (1.0 + decay * excess)
+
+
+def cost(
+    prefill_load_scale: float,
+    active_prefill: float,
+    active_decode: float,
+    request_blocks: float,
+    overlap_credit: float,
+) -> float:
+    """Dynamo's cost in blocks (see the module docstring)."""
+    p = active_prefill + request_blocks - overlap_credit
+    return prefill_load_scale * (p if p > 0.0 else 0.0) + active_decode + request_blocks
+
+
+def pick(
+    costs: Sequence[float],
+    loads: Sequence[tuple[float, int]],
+    temperature: float,
+    rng: random.Random,
+) -> int:
+    """Index of the winner: lowest cost, then least load, then random; or softmax sampling.
+
+    `loads[i]` is (load in blocks, in-flight requests), the tie-breaker.
+    """
+    n = len(costs)
+    c_min = min(costs)
+    if temperature > 0.0 and n > 1:
+        c_max = max(costs)
+        if c_max > c_min:
+            scale = (c_max - c_min) * temperature
+            weights = [math.exp(-(c - c_min) / scale) for c in costs]
+            return rng.choices(range(n), weights=weights)[0]
+    # Costs equal within float noise are ties.
+    eps = 1e-9 * max(1.0, abs(c_min))
+    tied = [i for i in range(n) if costs[i] - c_min <= eps]
+    if len(tied) == 1:
+        return tied[0]
+    best = min(loads[i] for i in tied)
+    tied = [i for i in tied if loads[i] == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
+    """The sampling distribution `pick` uses at temperature T (for tests and docs)."""
+    c_min, c_max = min(costs), max(costs)
+    if temperature <= 0.0 or c_max == c_min:
+        raise ValueError("softmax needs T > 0 and distinct costs")
+    scale = (c_max - c_min) * temperature
+    w = [math.exp(-(c - c_min) / scale) for c in costs]
+    s = sum(w)
+    return [x / s for x in w]

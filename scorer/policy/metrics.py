@@ -1,0 +1,55 @@
+"""Decision metrics: matched-token ratio and decision latency by stage.
+
+`kv_scorer_decisions_total{policy,reason}` is counted by the data path
+(scorer.extproc.servicer) where every answer, including 400s, is known; the router calls
+`observe_decision` for the rest once per decision it makes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Histogram
+
+from scorer.routing import Decision
+
+MATCHED_RATIO = Histogram(
+    "kv_scorer_matched_token_ratio",
+    "Matched (cached) prompt tokens on the chosen worker / prompt tokens, per decision",
+    ["policy"],
+    buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
+)
+STAGE_SECONDS = Histogram(
+    "kv_scorer_decision_stage_seconds",
+    "Decision latency by stage (parse, tokenize, hash, match, score, total)",
+    ["stage"],
+    buckets=(
+        5e-6,
+        1e-5,
+        2.5e-5,
+        5e-5,
+        1e-4,
+        2.5e-4,
+        5e-4,
+        1e-3,
+        1.5e-3,
+        2.5e-3,
+        5e-3,
+        1e-2,
+        2.5e-2,
+        0.1,
+        0.5,
+    ),
+)
+# Stages reported in the histogram (Decision.stages keys). "policy" (match + score + the
+# policy's bookkeeping) stays in the decision log only.
+STAGES = ("parse", "tokenize", "hash", "match", "score", "total")
+_stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
+
+
+def observe_decision(d: Decision) -> None:
+    """Record one decision's matched-token ratio and stage latencies."""
+    for stage, seconds in d.stages.items():
+        child = _stage_children.get(stage)
+        if child is not None:
+            child.observe(seconds)
+    if d.endpoints and d.request_tokens > 0:
+        MATCHED_RATIO.labels(d.policy).observe(min(d.matched_tokens / d.request_tokens, 1.0))

@@ -1,0 +1,378 @@
+"""The load view: scrape each worker's Prometheus endpoint in the background.
+
+One shared aiohttp `ClientSession`; every `load.scrape_interval_s` all workers with a
+`metrics_url` are scraped concurrently, each bounded by `load.scrape_timeout_s`. A scrape
+fills `Worker.scraped` (`ScrapedLoad`); the request path only reads that object.
+
+Metric names understood (sources cited where they are defined):
+
+- vLLM (vllm/v1/metrics/loggers.py, PrometheusStatLogger; docs/design/metrics.md):
+  `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`
+  (0..1; v0 and early v1 called it `vllm:gpu_cache_usage_perc`),
+  `vllm:cache_config_info{block_size, num_gpu_blocks, ...}` (value 1, facts in labels),
+  `vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`
+  (one sample per change, value = wall time; the newest wins),
+  `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (counters).
+- SGLang (python/sglang/srt/metrics/collector.py; docs/references/production_metrics.md):
+  `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage` (0..1),
+  `sglang:cache_hit_rate` (0..1), `sglang:max_total_num_tokens` (KV capacity in tokens).
+
+Data-parallel engines expose one sample per engine (label `engine`): running and waiting
+are summed, usage is averaged.
+
+The staleness rule (documented in docs/policy.md and used by the policies through
+`fresh_scrape`): a scrape older than `load.stale_after_s` (or none yet) is IGNORED — its
+waiting queue and KV usage count as unknown and only the router's own in-flight
+accounting counts. Failing scrapes never mark a worker unhealthy and never make it look
+saturated: health belongs to the data path (Envoy outlier detection / the extproc), and
+a metrics port can fail while the serving port is fine. Staleness is visible per worker
+in `GET /debug/pool` and in `kv_scorer_scrape_stale{endpoint}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import Counter, Gauge
+from prometheus_client.parser import text_string_to_metric_families
+
+from scorer.config import Config
+from scorer.pool.workers import Pool, ScrapedLoad, Worker
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+SCRAPES = Counter(
+    "kv_scorer_scrape",
+    "Metrics scrapes of workers by result (ok, error, timeout, bad_payload).",
+    ["endpoint", "result"],
+)
+SCRAPE_STALE = Gauge(
+    "kv_scorer_scrape_stale",
+    "1 when the worker's last good scrape is older than load.stale_after_s (ignored).",
+    ["endpoint"],
+)
+SCRAPE_FAILURES = Gauge(
+    "kv_scorer_scrape_consecutive_failures",
+    "Consecutive failed scrapes of the worker's metrics endpoint.",
+    ["endpoint"],
+)
+BLOCK_SIZE_MISMATCH = Gauge(
+    "kv_scorer_block_size_mismatch",
+    "1 when the engine's vllm:cache_config_info block_size differs from pool.block_size.",
+    ["endpoint"],
+)
+
+# Families we read; every other line of the page is skipped before parsing (a vLLM page is
+# mostly histograms we do not need, and parsing them 5x a second per worker is waste).
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+CACHE_INFO = "vllm:cache_config_info"
+LORA_INFO = "vllm:lora_requests_info"
+VLLM_QUERIES = "vllm:prefix_cache_queries"
+VLLM_HITS = "vllm:prefix_cache_hits"
+SGLANG_HIT_RATE = "sglang:cache_hit_rate"
+SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+_WANTED = (
+    *RUNNING,
+    *WAITING,
+    *USAGE,
+    CACHE_INFO,
+    LORA_INFO,
+    VLLM_QUERIES,
+    VLLM_HITS,
+    SGLANG_HIT_RATE,
+    SGLANG_CAPACITY,
+)
+
+
+@dataclass(slots=True)
+class ParsedMetrics:
+    """What one metrics page said (None = the page did not say)."""
+
+    engine: str | None = None
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    capacity_tokens: int | None = None
+    lora_running: list[str] = field(default_factory=list)
+    lora_waiting: list[str] = field(default_factory=list)
+    cache_hit_rate: float | None = None
+
+
+def _prefilter(text: str) -> str:
+    """Keep only the lines of the families we read (and their # TYPE / # HELP lines)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[2].startswith(_WANTED):
+                keep.append(line)
+        elif line.startswith(_WANTED):
+            keep.append(line)
+    keep.append("")
+    return "\n".join(keep)
+
+
+def _adapters(value: str | None) -> list[str]:
+    return [a for a in (value or "").split(",") if a]
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    raw = labels.get(name)
+    if raw is None or raw in ("", "None"):
+        return None
+    try:
+        return int(float(raw))
+    except ValueError:
+        return None
+
+
+def parse_metrics(text: str) -> ParsedMetrics:
+    """Parse a vLLM or SGLang Prometheus text page; raises ValueError on a malformed page."""
+    out = ParsedMetrics()
+    running: list[float] = []
+    waiting: list[float] = []
+    usage: list[float] = []
+    queries = hits = 0.0
+    lora_at = -1.0
+    for fam in text_string_to_metric_families(_prefilter(text)):
+        name = fam.name
+        if name.startswith("vllm:"):
+            out.engine = "vllm"
+        elif name.startswith("sglang:"):
+            out.engine = "sglang"
+        for s in fam.samples:
+            sname = s.name
+            if sname in RUNNING:
+                running.append(s.value)
+            elif sname in WAITING:
+                waiting.append(s.value)
+            elif sname in USAGE:
+                usage.append(s.value)
+            elif sname == CACHE_INFO:
+                out.block_size = _int_label(s.labels, "block_size")
+                out.num_gpu_blocks = _int_label(s.labels, "num_gpu_blocks")
+            elif sname == LORA_INFO:
+                # One sample per state change, the value is its wall time: newest wins.
+                if s.value >= lora_at:
+                    lora_at = s.value
+                    out.lora_running = _adapters(s.labels.get("running_lora_adapters"))
+                    out.lora_waiting = _adapters(s.labels.get("waiting_lora_adapters"))
+            elif sname in (VLLM_QUERIES, VLLM_QUERIES + "_total"):
+                queries += s.value
+            elif sname in (VLLM_HITS, VLLM_HITS + "_total"):
+                hits += s.value
+            elif sname == SGLANG_HIT_RATE:
+                out.cache_hit_rate = s.value
+            elif sname == SGLANG_CAPACITY:
+                out.capacity_tokens = int(s.value)
+    if running:
+        out.running = sum(running)
+    if waiting:
+        out.waiting = sum(waiting)
+    if usage:
+        # Some versions report percent (0..100) despite the name; normalise to 0..1.
+        u = sum(usage) / len(usage)
+        out.kv_usage = u / 100.0 if u > 1.0 else u
+    if queries > 0:
+        out.cache_hit_rate = hits / queries
+    if out.engine is None:
+        raise ValueError("no vLLM or SGLang load metric on the page")
+    return out
+
+
+def fresh_scrape(scraped: ScrapedLoad, now: float, stale_after_s: float) -> bool:
+    """True when the last good scrape exists and is recent enough to be trusted."""
+    return scraped.at > 0.0 and now - scraped.at <= stale_after_s
+
+
+class LoadScraper:
+    """App component: background scraping of every worker's `metrics_url`."""
+
+    def __init__(
+        self,
+        config: Config,
+        pool: Pool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._warned_block_size: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open the shared HTTP session and start the scrape loop (idempotent)."""
+        if self._task is not None:
+            return
+        timeout = aiohttp.ClientTimeout(total=self.config.load.scrape_timeout_s)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        self._task = asyncio.create_task(self._loop(), name="load-scraper")
+
+    async def stop(self) -> None:
+        """Stop the loop and close the session."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def routes(self) -> list[tuple[str, str, Handler]]:
+        """Admin routes: `GET /debug/pool` (workers, health, load view, scrape state)."""
+        return [("GET", "/debug/pool", self._debug_pool)]
+
+    # -- scraping --------------------------------------------------------------------
+    async def _loop(self) -> None:
+        interval = self.config.load.scrape_interval_s
+        while True:
+            t0 = self.clock()
+            await self.scrape_all()
+            # Sleep the rest of the interval; a slow round is not followed by a burst.
+            await asyncio.sleep(max(interval - (self.clock() - t0), interval / 10))
+
+    async def scrape_all(self) -> None:
+        """One round: scrape every worker that has a metrics_url, concurrently."""
+        workers = [w for w in self.pool if w.config.metrics_url]
+        if workers:
+            await asyncio.gather(*(self.scrape(w) for w in workers))
+        now = self.clock()
+        stale_after = self.config.load.stale_after_s
+        for w in workers:
+            SCRAPE_STALE.labels(w.endpoint).set(
+                0 if fresh_scrape(w.scraped, now, stale_after) else 1
+            )
+
+    async def scrape(self, worker: Worker) -> bool:
+        """Scrape one worker and update `worker.scraped`; True on success. Never raises."""
+        url = worker.config.metrics_url
+        session = self._session
+        if url is None or session is None:
+            return False
+        sc = worker.scraped
+        sc.attempts += 1
+        try:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    return self._failed(worker, "error", f"HTTP {resp.status}")
+                text = await resp.text()
+        except TimeoutError:
+            return self._failed(worker, "timeout", "timeout")
+        except (aiohttp.ClientError, OSError) as e:
+            return self._failed(worker, "error", f"{type(e).__name__}: {e}")
+        try:
+            parsed = parse_metrics(text)
+        except ValueError as e:
+            return self._failed(worker, "bad_payload", f"bad metrics page: {e}")
+        self.apply(worker, parsed)
+        return True
+
+    def apply(self, worker: Worker, parsed: ParsedMetrics) -> None:
+        """Store a parsed page in the worker's load view (also used by tests and the sim)."""
+        sc = worker.scraped
+        sc.engine = parsed.engine
+        sc.running = parsed.running or 0.0
+        sc.waiting = parsed.waiting or 0.0
+        sc.kv_usage = parsed.kv_usage or 0.0
+        sc.lora_running = parsed.lora_running
+        sc.lora_waiting = parsed.lora_waiting
+        sc.cache_hit_rate = parsed.cache_hit_rate
+        expected = self.config.pool.block_size
+        if parsed.block_size is not None:
+            sc.block_size = parsed.block_size
+        if parsed.num_gpu_blocks is not None:
+            sc.num_gpu_blocks = parsed.num_gpu_blocks
+        elif parsed.capacity_tokens is not None:
+            # SGLang reports capacity in tokens; express it in our blocks.
+            sc.num_gpu_blocks = parsed.capacity_tokens // expected
+        mismatch = sc.block_size is not None and sc.block_size != expected
+        sc.block_size_mismatch = mismatch
+        BLOCK_SIZE_MISMATCH.labels(worker.endpoint).set(1 if mismatch else 0)
+        if mismatch and worker.endpoint not in self._warned_block_size:
+            self._warned_block_size.add(worker.endpoint)
+            log.error(
+                "worker %s reports block_size=%s but pool.block_size=%s: its cache "
+                "matches are wrong until the configuration agrees",
+                worker.endpoint,
+                sc.block_size,
+                expected,
+            )
+        sc.at = self.clock()
+        sc.error = None
+        sc.failures = 0
+        SCRAPE_FAILURES.labels(worker.endpoint).set(0)
+        SCRAPES.labels(worker.endpoint, "ok").inc()
+
+    def _failed(self, worker: Worker, result: str, message: str) -> bool:
+        sc = worker.scraped
+        sc.error = message
+        sc.failures += 1
+        SCRAPE_FAILURES.labels(worker.endpoint).set(sc.failures)
+        SCRAPES.labels(worker.endpoint, result).inc()
+        if sc.failures == 1:
+            log.warning("scrape of %s failed: %s", worker.config.metrics_url, message)
+        return False
+
+    # -- admin view ------------------------------------------------------------------
+    def view(self) -> list[dict[str, Any]]:
+        """Every worker's health, in-flight accounting and scrape state (JSON-ready)."""
+        now = self.clock()
+        stale_after = self.config.load.stale_after_s
+        out = []
+        for w in self.pool:
+            sc = w.scraped
+            out.append(
+                {
+                    "endpoint": w.endpoint,
+                    "healthy": w.healthy,
+                    "models": list(w.config.models),
+                    "inflight": {
+                        "requests": w.inflight.requests,
+                        "prefill_tokens": w.inflight.prefill_tokens,
+                        "prefill_blocks": round(w.inflight.prefill_blocks, 2),
+                        "decode_blocks": round(w.inflight.decode_blocks, 2),
+                        "routed_total": w.inflight.routed_total,
+                    },
+                    "scrape": {
+                        "url": w.config.metrics_url,
+                        "engine": sc.engine,
+                        "fresh": fresh_scrape(sc, now, stale_after),
+                        "age_s": None if sc.at <= 0 else round(now - sc.at, 3),
+                        "running": sc.running,
+                        "waiting": sc.waiting,
+                        "kv_usage": round(sc.kv_usage, 4),
+                        "block_size": sc.block_size,
+                        "block_size_mismatch": sc.block_size_mismatch,
+                        "num_gpu_blocks": sc.num_gpu_blocks,
+                        "lora_running": sc.lora_running,
+                        "lora_waiting": sc.lora_waiting,
+                        "cache_hit_rate": sc.cache_hit_rate,
+                        "error": sc.error,
+                        "consecutive_failures": sc.failures,
+                        "attempts": sc.attempts,
+                    },
+                }
+            )
+        return out
+
+    async def _debug_pool(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"stale_after_s": self.config.load.stale_after_s, "workers": self.view()}
+        )
