@@ -1,0 +1,205 @@
+"""`EventIngest`: the app component that keeps the block index current from every worker.
+
+Wiring (scorer/app.py `build_components`)::
+
+    hasher = BlockHasher(config.pool.block_size, config.index.hash)
+    index = BlockIndex(config.index)
+    events = EventIngest(config, pool, index, hasher)          # optional: tokenize=callable
+    components.append(events)            # start()/stop() + routes() (/debug/score, /debug/index)
+    services.update(hasher=hasher, index=index, events=events)
+    # once Tokenization exists: events.tokenize = lambda model, body: <token ids or None>
+
+It starts one `Subscriber` per pool worker that has `events` configured (when
+`events.enabled`), and answers `status(endpoint)` for policies from memory only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from scorer.blocks import BlockHasher, namespace_key
+from scorer.config import Config
+from scorer.events.apply import Applier
+from scorer.events.subscriber import StreamStatus, Subscriber
+from scorer.index import BlockIndex
+from scorer.pool import Pool
+
+Tokenize = Callable[[str | None, dict[str, Any]], list[int] | None]
+
+
+class EventIngest:
+    """One subscriber per worker with `events` configured, plus the /debug routes."""
+
+    def __init__(
+        self,
+        config: Config,
+        pool: Pool,
+        index: BlockIndex,
+        hasher: BlockHasher,
+        tokenize: Tokenize | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.hasher = hasher
+        # Turns a /debug/score body with "prompt"/"messages" into token ids (scorer.tokens).
+        self.tokenize = tokenize
+        self.applier = Applier(index, hasher)
+        self.subscribers: dict[str, Subscriber] = {}
+        self._context: zmq.asyncio.Context | None = None
+
+    async def start(self) -> None:
+        """Open a SUB socket per worker (connect or bind, per its `events.mode`)."""
+        if not self.config.events.enabled:
+            return
+        self._context = zmq.asyncio.Context()
+        for w in self.pool:
+            if w.config.events is None:
+                continue
+            sub = Subscriber(
+                w.endpoint, w.config.events, self.applier, self.config.events, self._context
+            )
+            self.subscribers[w.endpoint] = sub
+            await sub.start()
+
+    async def stop(self) -> None:
+        for sub in self.subscribers.values():
+            await sub.stop()
+        self.subscribers.clear()
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    def status(self, endpoint: str) -> StreamStatus:
+        """The worker's stream status (a fresh disconnected status when it has no stream)."""
+        sub = self.subscribers.get(endpoint)
+        return sub.status if sub is not None else StreamStatus()
+
+    # ---- admin routes ------------------------------------------------------------------
+
+    def routes(self) -> list[tuple[str, str, Callable[[web.Request], Any]]]:
+        return [
+            ("POST", "/debug/score", self.debug_score),
+            ("GET", "/debug/index", self.debug_index),
+        ]
+
+    def score(
+        self,
+        token_ids: list[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> dict[str, Any]:
+        """The /debug/score answer for a token list (every known worker, best first)."""
+        keys = self.hasher.keys(token_ids, namespace_key(lora_name, cache_salt))
+        matches = self.index.match(keys)
+        bs = self.hasher.block_size
+        endpoints = list(self.pool.workers)
+        endpoints += [ep for ep in self.index.endpoints() if ep not in self.pool.workers]
+        workers: list[dict[str, Any]] = []
+        for ep in endpoints:
+            m = matches.get(ep)
+            workers.append(
+                {
+                    "endpoint": ep,
+                    "matched_blocks": m.blocks if m else 0,
+                    "matched_tokens": m.blocks * bs if m else 0,
+                    "by_medium": dict(m.by_medium) if m else {},
+                    "weighted": m.weighted if m else 0.0,
+                }
+            )
+        workers.sort(key=lambda w: (-float(w["weighted"]), str(w["endpoint"])))
+        return {"block_size": bs, "blocks": len(keys), "workers": workers}
+
+    async def debug_score(self, request: web.Request) -> web.Response:
+        """POST /debug/score {"model", "token_ids" | "prompt" | "messages", "cache_salt"?}."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body is not JSON")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
+        model = body.get("model")
+        ids = body.get("token_ids")
+        if ids is None and self.tokenize is not None:
+            try:
+                ids = self.tokenize(model if isinstance(model, str) else None, body)
+            except Exception as e:  # the tokenizer's own error, reported to the operator
+                return _error(400, f"cannot tokenize: {e}")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
+        ):
+            return _error(400, "token_ids must be a list of non-negative 32-bit integers")
+        salt = body.get("cache_salt")
+        lora = body.get("lora_name")
+        return web.json_response(
+            self.score(
+                ids,
+                lora if isinstance(lora, str) else None,
+                salt if isinstance(salt, str) else None,
+            )
+        )
+
+    def index_report(self) -> dict[str, Any]:
+        """Per worker: blocks by medium, last seq per rank, event age, gaps, replays, ..."""
+        now = time.monotonic()
+        endpoints = list(self.pool.workers)
+        endpoints += [ep for ep in self.index.endpoints() if ep not in self.pool.workers]
+        out: dict[str, Any] = {}
+        for ep in endpoints:
+            st = self.index.stats(ep)
+            sub = self.subscribers.get(ep)
+            ap = self.applier.stats.get(ep)
+            rep: dict[str, Any] = {
+                "blocks": st["blocks"],
+                "speculative": st["speculative"],
+                "evictions": st["evictions"],
+                "stream": None,
+            }
+            if ap is not None:
+                rep["events"] = {
+                    "stored_blocks": ap.stored,
+                    "removed_blocks": ap.removed,
+                    "cleared": ap.cleared,
+                    "unknown_parent": ap.unknown_parent,
+                    "unknown_hash": ap.unknown_hash,
+                    "other_group": ap.other_group,
+                    "block_size_mismatch": ap.block_size_mismatch,
+                    "engine_block_size": ap.last_block_size,
+                }
+            if sub is not None:
+                s = sub.status
+                rep["stream"] = {
+                    "endpoint": sub.events.endpoint,
+                    "mode": sub.events.mode,
+                    "connected": s.connected,
+                    "last_seq": {str(r): q for r, q in sub.stats.last_seq.items()},
+                    "seconds_since_last_event": (
+                        None if s.last_event_at is None else round(now - s.last_event_at, 3)
+                    ),
+                    "messages": sub.stats.messages,
+                    "gaps": sub.stats.gaps,
+                    "replays": dict(sub.stats.replays),
+                    "purges": dict(sub.stats.purges),
+                    "decode_errors": dict(sub.stats.decode_errors),
+                    "unrecovered_gap": s.unrecovered_gap,
+                    "bind_error": sub.stats.bind_error,
+                }
+            out[ep] = rep
+        return {"block_size": self.hasher.block_size, "hash": self.hasher.algo, "workers": out}
+
+    async def debug_index(self, request: web.Request) -> web.Response:
+        """GET /debug/index."""
+        return web.json_response(self.index_report())
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
+        status=status,
+    )
