@@ -146,12 +146,16 @@ class Subscriber:
             self._sub.close(linger=0)
             self._sub = None
 
-    def _open(self) -> zmq.asyncio.Socket:
+    def _open(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.config.reconnect_interval_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.events.topic.encode("utf-8"))
+        # The monitor must exist before connect/bind, or the first CONNECTED is missed.
+        mon = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
         try:
             if self.events.mode == "bind":
                 sub.bind(self.events.endpoint)
@@ -160,14 +164,17 @@ class Subscriber:
             else:
                 sub.connect(self.events.endpoint)
         except zmq.ZMQError:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            mon.close(linger=0)
             sub.close(linger=0)
             raise
-        return sub
+        return sub, mon
 
     async def _run(self) -> None:
         while True:
             try:
-                self._sub = self._open()
+                self._sub, mon = self._open()
                 self.stats.bind_error = None
             except zmq.ZMQError as e:
                 # Bind errors (address in use, bad address): report and retry; ZMQ itself
@@ -178,7 +185,7 @@ class Subscriber:
                 await asyncio.sleep(self.config.reconnect_interval_s)
                 continue
             self._ready.set()
-            monitor = asyncio.create_task(self._monitor(self._sub))
+            monitor = asyncio.create_task(self._monitor(mon))
             try:
                 await self._receive(self._sub)
             finally:
@@ -187,13 +194,10 @@ class Subscriber:
                     await monitor
                 self._close()
 
-    async def _monitor(self, sub: zmq.asyncio.Socket) -> None:
+    async def _monitor(self, mon: zmq.asyncio.Socket) -> None:
         """Track connected/disconnected from ZMQ's socket monitor."""
         from zmq.utils.monitor import parse_monitor_message
 
-        mon = sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        )
         peers = 0
         try:
             while True:
