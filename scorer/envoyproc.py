@@ -46,6 +46,9 @@ _HCM = (
 )
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_HEADER_TO_METADATA = (
+    "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
+)
 _HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
@@ -168,6 +171,7 @@ def render_envoy_config(
     direct_backends: Sequence[str] | None = None,
     direct_port: int = 0,
     extra_http_filters: Sequence[dict[str, Any]] = (),
+    fail_open_endpoint: str | None = None,
 ) -> str:
     """An Envoy bootstrap (YAML) equivalent to envoy/envoy.yaml, with run-time ports.
 
@@ -179,6 +183,11 @@ def render_envoy_config(
     to these `ip:port` backends without ext_proc (the benchmark's baseline).
     extra_http_filters: HTTP filters placed before ext_proc (tests use header_to_metadata
     to inject a subset hint, as a gateway would).
+    fail_open_endpoint: with failure_mode_allow, where a request goes when the scorer is
+    unreachable (metadata mode only): a header_to_metadata filter before ext_proc puts this
+    `ip:port` in `envoy.lb` metadata (and drops any client-sent destination header); the
+    scorer's answer overwrites it. Without it a fail-open request has no destination and
+    the ORIGINAL_DST cluster answers 503.
     """
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -196,7 +205,10 @@ def render_envoy_config(
                 "response_body_mode": "NONE",
                 # FULL_DUPLEX_STREAMED requires trailer mode SEND.
                 "request_trailer_mode": "SEND" if body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
-                "response_trailer_mode": "SKIP",
+                # SEND keeps the stream open until the response ends (trailers may still
+                # come), so the scorer sees the end of each request; Envoy sends no message
+                # when the response has no trailers.
+                "response_trailer_mode": "SEND" if track_responses else "SKIP",
             },
             # Without envoy.lb here Envoy drops our metadata and ORIGINAL_DST finds no host.
             "metadata_options": {
@@ -213,13 +225,39 @@ def render_envoy_config(
         odc = {"use_http_header": True, "http_header_name": DESTINATION_KEY}
     else:
         raise ValueError(f"mode must be 'metadata' or 'header', not {mode!r}")
+    filters = list(extra_http_filters)
+    if fail_open_endpoint is not None:
+        if mode != "metadata":
+            raise ValueError("fail_open_endpoint needs mode='metadata'")
+        default = {
+            "metadata_namespace": "envoy.lb",
+            "key": DESTINATION_KEY,
+            "value": fail_open_endpoint,
+            "type": "STRING",
+        }
+        filters.append(
+            {
+                "name": "envoy.filters.http.header_to_metadata",
+                "typed_config": {
+                    "@type": _HEADER_TO_METADATA,
+                    "request_rules": [
+                        {
+                            "header": DESTINATION_KEY,
+                            "on_header_present": default,
+                            "on_header_missing": default,
+                            "remove": True,
+                        }
+                    ],
+                },
+            }
+        )
     listeners = [
         _listener(
             "main",
             host,
             listener_port,
             "original_destination_cluster",
-            [*extra_http_filters, ext_proc],
+            [*filters, ext_proc],
         )
     ]
     clusters: list[dict[str, Any]] = [

@@ -1,0 +1,60 @@
+"""Module-scoped fixtures: three echo backends, an in-process kv-scorer, a real Envoy."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest_asyncio
+from e2e_helpers import SUBSET_FILTER, Backend, start_backend
+
+from scorer.app import App
+from scorer.config import load_config
+from scorer.envoyproc import EnvoyProcess, render_envoy_config
+
+
+def scorer_config(workers: list[str], **over: Any) -> Any:
+    data: dict[str, Any] = {
+        "server": {
+            "host": "127.0.0.1",
+            "extproc_port": 0,
+            "health_port": 0,
+            "admin_port": 0,
+            "grace_period_s": 0.5,
+        },
+        "pool": {"workers": workers},
+        "policy": "round_robin",
+    }
+    data.update(over)
+    return load_config(overrides=data, environ={})
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def backends() -> AsyncIterator[list[Backend]]:
+    bs: list[Backend] = []
+    try:
+        for i in range(3):
+            bs.append(await start_backend(f"b{i}"))
+        yield bs
+    finally:
+        for b in bs:
+            b.release.set()
+            await b.runner.cleanup()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def scorer(backends: list[Backend]) -> AsyncIterator[App]:
+    app = App(scorer_config([b.endpoint for b in backends]))
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def envoy(scorer: App) -> AsyncIterator[EnvoyProcess]:
+    """The default setup: envoy.lb metadata, FULL_DUPLEX_STREAMED, fail closed."""
+    cfg = render_envoy_config(0, scorer.extproc_port, 0, extra_http_filters=[SUBSET_FILTER])
+    async with EnvoyProcess(cfg) as e:
+        yield e

@@ -1,0 +1,122 @@
+"""End to end with the other Envoy setups: header mode + BUFFERED, track_responses off,
+and the scorer down (fail closed by default, fail open with failure_mode_allow)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from conftest import scorer_config
+from e2e_helpers import Backend, closed_port
+
+from scorer.app import App
+from scorer.envoyproc import EnvoyProcess, render_envoy_config
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
+BODY = json.dumps({"model": "m", "prompt": "hi"}).encode()
+
+
+async def post(port: int, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, data=data, headers=headers) as r:
+        return r.status, await r.text()
+
+
+async def test_header_mode_buffered(scorer: App, backends: list[Backend]) -> None:
+    cfg = render_envoy_config(0, scorer.extproc_port, 0, mode="header", body_mode="BUFFERED")
+    async with EnvoyProcess(cfg) as e:
+        seen = set()
+        for _ in range(3):
+            status, text = await post(
+                e.listener_port, BODY, {"x-gateway-destination-endpoint": "127.0.0.1:1"}
+            )
+            assert status == 200, text
+            seen.add(json.loads(text)["backend"])
+        assert seen == {"b0", "b1", "b2"}
+        status, text = await post(e.listener_port, b"{oops")
+        assert status == 400 and json.loads(text)["error"]["code"] == "bad_request"
+        # Documented limit: BUFFERED bodies over Envoy's 1 MiB buffer get 413 from Envoy.
+        status, _ = await post(e.listener_port, b"x" * (2 * 1024 * 1024))
+        assert status == 413
+
+
+async def test_track_responses_off(backends: list[Backend]) -> None:
+    app = App(scorer_config([b.endpoint for b in backends], extproc={"track_responses": False}))
+    await app.start()
+    try:
+        cfg = render_envoy_config(0, app.extproc_port, 0, track_responses=False)
+        async with EnvoyProcess(cfg) as e:
+            for _ in range(4):
+                status, text = await post(e.listener_port, BODY)
+                assert status == 200, text
+            assert len(app.pool.inflight) == 0
+            assert all(w.routed_total == 0 for w in app.pool.inflight.loads.values())
+            stats = await asyncio.to_thread(e.stats, "http.main.ext_proc.")
+            assert stats["http.main.ext_proc.streams_failed"] == 0
+            assert stats["http.main.ext_proc.streams_started"] == 4
+    finally:
+        await app.stop()
+
+
+async def test_scorer_down_fails_closed_by_default(backends: list[Backend]) -> None:
+    cfg = render_envoy_config(0, closed_port(), 0)
+    async with EnvoyProcess(cfg) as e:
+        before = sum(len(b.seen) for b in backends)
+        status, _ = await post(e.listener_port, BODY)
+        assert 500 <= status < 600
+        assert sum(len(b.seen) for b in backends) == before  # no backend reached
+
+
+async def test_scorer_down_fail_open(backends: list[Backend]) -> None:
+    port = closed_port()
+    # Envoy 1.40 does not fail open in FULL_DUPLEX_STREAMED: still a 500 (docs/envoy.md).
+    async with EnvoyProcess(render_envoy_config(0, port, 0, failure_mode_allow=True)) as e:
+        status, _ = await post(e.listener_port, BODY)
+        assert status == 500
+    # BUFFERED without a default destination: the request continues, but ORIGINAL_DST has
+    # no endpoint → 503 from Envoy.
+    cfg = render_envoy_config(0, port, 0, failure_mode_allow=True, body_mode="BUFFERED")
+    async with EnvoyProcess(cfg) as e:
+        status, text = await post(e.listener_port, BODY)
+        assert status == 503, text
+        stats = await asyncio.to_thread(e.stats, "http.main.ext_proc.failure_mode_allowed")
+        assert stats["http.main.ext_proc.failure_mode_allowed"] >= 1
+    # BUFFERED with fail_open_endpoint: it reaches that backend; a client-sent destination
+    # header is ignored.
+    target = backends[2]
+    cfg = render_envoy_config(
+        0,
+        port,
+        0,
+        failure_mode_allow=True,
+        body_mode="BUFFERED",
+        fail_open_endpoint=target.endpoint,
+    )
+    async with EnvoyProcess(cfg) as e:
+        status, text = await post(
+            e.listener_port, BODY, {"x-gateway-destination-endpoint": backends[0].endpoint}
+        )
+        assert status == 200
+        assert json.loads(text)["backend"] == target.name
+
+
+async def test_fail_open_default_is_overwritten_by_the_scorer(
+    scorer: App, backends: list[Backend]
+) -> None:
+    cfg = render_envoy_config(
+        0,
+        scorer.extproc_port,
+        0,
+        failure_mode_allow=True,
+        body_mode="BUFFERED",
+        fail_open_endpoint=backends[0].endpoint,
+    )
+    async with EnvoyProcess(cfg) as e:
+        seen = set()
+        for _ in range(3):
+            status, text = await post(e.listener_port, BODY)
+            assert status == 200
+            seen.add(json.loads(text)["backend"])
+        assert seen == {"b0", "b1", "b2"}

@@ -1,0 +1,116 @@
+"""`kv-scorer serve` as a real subprocess: SIGTERM drains gracefully and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+
+import aiohttp
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+READY = re.compile(rb"ext_proc=[\d.]+:(\d+) health=[\d.]+:(\d+) admin=[\d.]+:(\d+)")
+
+
+def request_msgs() -> list[ep.ProcessingRequest]:
+    h = ep.ProcessingRequest()
+    for k, v in ((":method", "POST"), (":path", "/v1/completions")):
+        h.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    h.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    b = ep.ProcessingRequest()
+    b.request_body.body = json.dumps({"model": "m", "prompt": "hi"}).encode()
+    b.request_body.end_of_stream = True
+    return [h, b]
+
+
+async def status(stub: health_pb2_grpc.HealthStub, name: str) -> str:
+    r = await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+
+
+async def test_sigterm_drains_then_exits_zero() -> None:
+    env = dict(os.environ)
+    env["KV_SCORER_SERVER__DRAIN_DELAY_S"] = "0.8"
+    env["KV_SCORER_SERVER__GRACE_PERIOD_S"] = "10"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "scorer.cli", "serve", "--worker", "127.0.0.1:7001",
+        "--policy", "round_robin", "--host", "127.0.0.1", "--extproc-port", "0",
+        "--health-port", "0", "--admin-port", "0",
+        stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    try:
+        m = None
+        for _ in range(50):
+            line = await asyncio.wait_for(proc.stderr.readline(), 20)
+            m = READY.search(line)
+            if m or not line:
+                break
+        assert m, "serve did not report its ports"
+        xp, hp, ap = (int(g) for g in m.groups())
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{xp}") as xch,
+            grpc.aio.insecure_channel(f"127.0.0.1:{hp}") as hch,
+            aiohttp.ClientSession() as http,
+        ):
+            health = health_pb2_grpc.HealthStub(hch)
+            assert await status(health, "readiness") == "SERVING"
+            # An in-flight request: routed, waiting for its response.
+            call = ep_grpc.ExternalProcessorStub(xch).Process()
+            for msg in request_msgs():
+                await call.write(msg)
+            first = await asyncio.wait_for(call.read(), 5)
+            assert first.WhichOneof("response") == "request_headers"
+            await asyncio.wait_for(call.read(), 5)
+
+            proc.send_signal(signal.SIGTERM)
+            for _ in range(100):  # readiness goes down first
+                if await status(health, "readiness") == "NOT_SERVING":
+                    break
+                await asyncio.sleep(0.02)
+            assert await status(health, "readiness") == "NOT_SERVING"
+            assert await status(health, "liveness") == "SERVING"
+            async with http.get(f"http://127.0.0.1:{ap}/readyz") as r:
+                assert r.status == 503
+
+            # After the drain delay, new streams are refused.
+            refused = False
+            for _ in range(100):
+                c2 = ep_grpc.ExternalProcessorStub(xch).Process()
+                try:
+                    for msg in request_msgs():
+                        await c2.write(msg)
+                    await asyncio.wait_for(c2.read(), 2)
+                    c2.cancel()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                    if isinstance(e, grpc.aio.AioRpcError):
+                        assert e.code() == grpc.StatusCode.UNAVAILABLE
+                    refused = True
+                    break
+                await asyncio.sleep(0.05)
+            assert refused
+
+            # The in-flight stream still completes normally.
+            rh = ep.ProcessingRequest()
+            rh.response_headers.headers.headers.append(
+                base_pb2.HeaderValue(key=":status", raw_value=b"200")
+            )
+            await call.write(rh)
+            r = await asyncio.wait_for(call.read(), 5)
+            assert r.WhichOneof("response") == "response_headers"
+            await call.done_writing()
+            assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
