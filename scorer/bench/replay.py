@@ -1,0 +1,498 @@
+"""Deterministic discrete-event replay: our policies in-process against simulated workers.
+
+Nothing here touches the network or the wall clock. Time is simulated: a heap of events
+(arrivals, engine-step ends, metric scrapes). Each simulated worker is an engine loop over
+`scorer.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
+`scorer.sim.timing.TimingModel` (prefill/decode step times), with a `max_num_seqs` limit
+and a FIFO waiting queue:
+
+* a step either prefills the head of the queue (one request per step, when a sequence slot
+  and its KV blocks are free) together with one decode token of every running sequence
+  (`step_ms(uncached_tokens, batch)`), or is a decode step (`decode_ms_per_token(batch)`);
+  consecutive decode steps with nothing to change are taken in one event;
+* a request's prompt blocks are looked up (counters: `queries_tokens`, `hits_tokens`, as
+  vLLM's `vllm:prefix_cache_queries` / `_hits`) and pinned when its prefill is scheduled,
+  released tail-first when it finishes; its partial last block and decode tokens take
+  anonymous blocks;
+* TTFT = end of the prefill step - arrival; the request then decodes `output_tokens - 1`
+  more tokens.
+
+The routing side is the real one: `scorer.policy.build_policy` with a real `Pool`,
+`PolicyContext` and `BlockIndex` (``ctx.services["index"]``), the router's
+`InflightTracker` driven by the simulated lifecycle (routed at arrival, first byte at the end
+of prefill, finished at the last token) and the scraped load refreshed every
+`scrape_interval_s` of simulated time. The index is fed from the simulated workers'
+stores and evictions — what their KV-event streams would carry — through a direct apply
+path with our own block keys (no ZMQ, no engine-hash mapping; the simulated worker's
+"engine hash" *is* our key), `event_delay_s` after the fact.
+
+Same workload, settings and seed → the same results, bit for bit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from scorer.bench.workloads import Workload
+from scorer.blocks import BlockHasher
+from scorer.config import Config
+from scorer.index import BlockIndex
+from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.pool.workers import Pool
+from scorer.routing import RoutingRequest
+from scorer.sim.cache import PrefixCache
+from scorer.sim.timing import TimingModel
+
+UNBOUNDED_BLOCKS = 1 << 40  # "unbounded" capacity: more blocks than any trace can use
+MODEL = "bench-model"
+CLOCK_BASE = 1000.0  # simulated clock = CLOCK_BASE + simulated seconds
+
+
+@dataclass(slots=True)
+class ReplaySettings:
+    """The simulated fleet and how the router sees it."""
+
+    workers: int = 8
+    capacity_blocks: int | None = 1000  # per worker; None = unbounded
+    block_size: int = 512
+    max_num_seqs: int = 256  # vLLM's default for a GPU (SchedulerConfig.max_num_seqs)
+    seed: int = 0
+    scrape_interval_s: float = 0.2  # like config load.scrape_interval_s
+    event_delay_s: float = 0.0  # store/evict → index latency (simulated seconds)
+    timing: TimingModel = field(default_factory=TimingModel)
+    # Options per policy name (the `policies.NAME` config section), e.g. a bench config.
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    """One policy's numbers on one workload (the results.json entry)."""
+
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    throughput_rps: float
+    imbalance: float
+    requests: int
+    errors: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The results.json shape (extra keys after the required ones)."""
+        out: dict[str, Any] = {
+            "hit_rate": round(self.hit_rate, 4),
+            "ttft_p50_ms": round(self.ttft_p50_ms, 2),
+            "ttft_p99_ms": round(self.ttft_p99_ms, 2),
+            "throughput_rps": round(self.throughput_rps, 3),
+            "imbalance": round(self.imbalance, 3),
+            "requests": self.requests,
+            "errors": self.errors,
+        }
+        out.update(self.extra)
+        return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def imbalance(per_worker: Sequence[float]) -> float:
+    """max / mean of per-worker prompt tokens (1.0 = perfectly even; 0 when idle)."""
+    if not per_worker:
+        return 0.0
+    mean = sum(per_worker) / len(per_worker)
+    return max(per_worker) / mean if mean > 0 else 0.0
+
+
+class RequestKeys:
+    """Block keys of every request of a workload, computed once with our BlockHasher.
+
+    One array of tokens per request, built and dropped in turn, so the whole Mooncake trace
+    (145M prompt tokens) never sits in memory as tokens.
+    """
+
+    def __init__(self, workload: Workload, block_size: int, algo: str = "xxh3") -> None:
+        self.hasher = BlockHasher(block_size, algo)  # type: ignore[arg-type]
+        self.keys: list[list[int]] = []
+        for r in workload.requests:
+            arr = r.token_array().astype("<u4", copy=False)
+            self.keys.append(self.hasher.keys_from_bytes(arr.tobytes()))
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    idx: int
+    rid: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    keys: list[int]
+    extra_blocks: int
+    worker: _SimWorker | None = None
+    first: float = -1.0
+    done: float = -1.0
+    remaining: int = 0
+
+
+class _SimWorker:
+    """One simulated engine: waiting queue, running batch, prefix cache, step loop."""
+
+    def __init__(self, sim: _Replay, endpoint: str, capacity: int) -> None:
+        self.sim = sim
+        self.endpoint = endpoint
+        self.cache = PrefixCache(capacity, sim.settings.block_size, on_evict=self._evicted)
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []
+        self.prefilling: _Req | None = None
+        self.step_start = 0.0
+        self.step_ms = 0.0  # duration of one step of the current run
+        self.steps = 0  # steps in the current run (decode runs may be > 1)
+        self.step_end = -1.0  # < 0: idle
+        self.gen = 0  # invalidates stale step-end events
+        self.prompt_tokens = 0  # routed here (imbalance)
+
+    # --- events ------------------------------------------------------------------------
+
+    def _evicted(self, hashes: list[int]) -> None:
+        self.sim.feed_remove(self.endpoint, hashes)
+
+    def arrive(self, r: _Req, now: float) -> None:
+        """A routed request reaches the engine's waiting queue."""
+        self.waiting.append(r)
+        self.prompt_tokens += r.prompt_tokens
+        if self.step_end < 0:
+            self.start_step(now)
+        elif self.prefilling is None and self.steps > 1:
+            # Cut a multi-step decode run at the next step boundary so the scheduler
+            # can look at the new request there (as the real engine loop would).
+            done = math.floor((now - self.step_start) / self.step_ms + 1e-12)
+            steps = min(done + 1, self.steps)
+            if steps < self.steps:
+                self.steps = steps
+                self.step_end = self.step_start + steps * self.step_ms
+                self.gen += 1
+                self.sim.push(self.step_end, _STEP, (self, self.gen))
+
+    def step_done(self, now: float) -> None:
+        """The current step (or run of decode steps) has ended at `now`."""
+        self.step_end = -1.0
+        tokens = self.steps
+        for r in self.running:
+            r.remaining -= tokens
+        p = self.prefilling
+        if p is not None:
+            self.prefilling = None
+            p.first = now
+            p.remaining = p.output_tokens - 1  # the prefill step produced the first token
+            self.sim.tracker_first_byte(p)
+            self.running.append(p)
+        still = []
+        for r in self.running:
+            if r.remaining <= 0:
+                self.finish(r, now)
+            else:
+                still.append(r)
+        self.running = still
+        self.start_step(now)
+
+    def finish(self, r: _Req, now: float) -> None:
+        r.done = now
+        self.cache.release(r.keys, r.extra_blocks)
+        self.sim.tracker_finished(r)
+
+    def start_step(self, now: float) -> None:
+        """Schedule the next step: a prefill when the queue head fits, else decode."""
+        timing = self.sim.settings.timing
+        while self.waiting and len(self.running) < self.sim.settings.max_num_seqs:
+            head = self.waiting[0]
+            if not self.cache.can_admit(head.keys, head.extra_blocks):
+                if self.running:
+                    break  # wait for running requests to free their blocks
+                # Nothing runs and it still does not fit: it never will (vLLM rejects a
+                # prompt longer than its KV capacity).
+                self.waiting.popleft()
+                self.sim.error(head, now)
+                continue
+            self.waiting.popleft()
+            hit_blocks = self.cache.lookup(head.keys, head.prompt_tokens)
+            new = self.cache.admit(head.keys, head.extra_blocks)
+            if new:
+                self.sim.feed_store(self.endpoint, new)
+            cached = min(hit_blocks * self.cache.block_size, head.prompt_tokens)
+            # A fully cached prompt still computes its last token (vLLM does the same).
+            uncached = max(head.prompt_tokens - cached, 1)
+            self.prefilling = head
+            self.step_start = now
+            self.step_ms = timing.step_ms(uncached, len(self.running))
+            self.steps = 1
+            self._schedule(now + self.step_ms / 1000.0)
+            return
+        if self.running:
+            d = timing.decode_ms_per_token(len(self.running)) / 1000.0
+            # Nothing changes until the first running request finishes: one event.
+            k = max(min(r.remaining for r in self.running), 1)
+            self.step_start = now
+            self.step_ms = d
+            self.steps = k
+            self._schedule(now + k * d)
+
+    def _schedule(self, end: float) -> None:
+        self.step_end = end
+        self.gen += 1
+        self.sim.push(end, _STEP, (self, self.gen))
+
+
+_ARRIVE, _STEP, _SCRAPE, _FEED = 0, 1, 2, 3
+
+
+class _Replay:
+    """One policy on one workload."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        keys: RequestKeys,
+        policy_name: str,
+        settings: ReplaySettings,
+    ) -> None:
+        self.workload = workload
+        self.keys = keys
+        self.settings = settings
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        cap = settings.capacity_blocks or UNBOUNDED_BLOCKS
+        endpoints = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(settings.workers)]
+        raw = {
+            "pool": {
+                "workers": [{"endpoint": e} for e in endpoints],
+                "block_size": settings.block_size,
+            },
+            "policy": policy_name,
+            "policies": settings.policy_options,
+        }
+        self.config = Config.model_validate(raw)
+        self.pool = Pool.from_config(self.config)
+        self.index = BlockIndex(self.config.index)
+        # Simulated time for everything that expires or judges freshness (speculative
+        # entries, approx TTLs, session idle TTL, scrape freshness). Offset so that the
+        # first instant is not 0 ("never scraped" in ScrapedLoad.at).
+        self.index.clock = self.clock
+        self.ctx = PolicyContext(
+            pool=self.pool,
+            config=self.config,
+            rng=random.Random(settings.seed),
+            services={"index": self.index, "hasher": keys.hasher},
+        )
+        self.policy: Policy = build_policy(
+            policy_name, self.ctx, settings.policy_options.get(policy_name)
+        )
+        set_clock(self.policy, self.clock)
+        self.workers = {e: _SimWorker(self, e, cap) for e in endpoints}
+        self.reqs: list[_Req] = []
+        self.errors = 0
+        self.reasons: dict[str, int] = {}
+        for w in self.pool:
+            w.scraped.block_size = settings.block_size
+            w.scraped.num_gpu_blocks = settings.capacity_blocks
+
+    def clock(self) -> float:
+        """The simulated clock as policies and the index read it (seconds)."""
+        return CLOCK_BASE + self.now
+
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
+
+    # --- index feed (what the KV-event streams would carry) ------------------------------
+
+    def feed_store(self, endpoint: str, keys: list[int]) -> None:
+        if self.settings.event_delay_s > 0:
+            self.push(self.now + self.settings.event_delay_s, _FEED, (endpoint, keys, True))
+        else:
+            index_store(self.index, endpoint, keys)
+
+    def feed_remove(self, endpoint: str, keys: list[int]) -> None:
+        if self.settings.event_delay_s > 0:
+            self.push(self.now + self.settings.event_delay_s, _FEED, (endpoint, keys, False))
+        else:
+            index_remove(self.index, endpoint, keys)
+
+    # --- router lifecycle -------------------------------------------------------------
+
+    def tracker_first_byte(self, r: _Req) -> None:
+        self.pool.inflight.first_byte(r.rid)
+
+    def tracker_finished(self, r: _Req) -> None:
+        self.pool.inflight.finished(r.rid)
+
+    def error(self, r: _Req, now: float) -> None:
+        self.errors += 1
+        r.done = now
+        self.pool.inflight.finished(r.rid)
+
+    def scrape(self) -> None:
+        """Refresh every worker's scraped load from its simulated engine."""
+        at = self.clock()
+        for w in self.pool:
+            sw = self.workers[w.endpoint]
+            sc = w.scraped
+            sc.running = float(len(sw.running) + (1 if sw.prefilling else 0))
+            sc.waiting = float(len(sw.waiting))
+            sc.kv_usage = sw.cache.usage if self.settings.capacity_blocks else 0.0
+            sc.at = at
+
+    def route(self, r: _Req, token_ids: Callable[[], list[int]], session: str | None) -> None:
+        bs = self.settings.block_size
+        req = RoutingRequest(
+            request_id=r.rid,
+            model=MODEL,
+            path="/v1/completions",
+            session_id=session,
+            block_size=bs,
+            prompt_tokens=r.prompt_tokens,
+        )
+        if self.policy.needs_tokens:
+            req.token_ids = token_ids()
+            req.block_keys = r.keys
+        cands = self.pool.eligible(MODEL, None)
+        d = self.policy.decide(req, cands)
+        self.reasons[str(d.reason)] = self.reasons.get(str(d.reason), 0) + 1
+        if not d.endpoints:
+            self.error(r, self.now)
+            return
+        ep = d.endpoints[0]
+        # Same accounting as the data path (scorer.extproc.servicer._routed).
+        total = r.prompt_tokens / bs
+        prefill = max(total - d.matched_tokens / bs, 0.0)
+        self.pool.inflight.routed(r.rid, ep, r.prompt_tokens, prefill, total)
+        w = self.workers[ep]
+        r.worker = w
+        w.arrive(r, self.now)
+
+    def run(self) -> PolicyResult:
+        bs = self.settings.block_size
+        wl = self.workload
+        for i, br in enumerate(wl.requests):
+            keys = self.keys.keys[i]
+            tail = br.prompt_tokens - len(keys) * bs  # partial last block (tokens)
+            extra = math.ceil((tail + br.output_tokens) / bs)
+            r = _Req(i, f"r{i}", br.arrival_s, br.prompt_tokens, br.output_tokens, keys, extra)
+            self.reqs.append(r)
+            self.push(br.arrival_s, _ARRIVE, i)
+        if self.reqs:
+            self.push(self.reqs[0].arrival, _SCRAPE, None)
+        pending = len(self.reqs)
+        while self.heap:
+            t, _, kind, obj = heapq.heappop(self.heap)
+            self.now = t
+            if kind == _ARRIVE:
+                br = wl.requests[obj]
+                self.route(self.reqs[obj], br.token_ids, br.session)
+                pending -= 1
+            elif kind == _STEP:
+                w, gen = obj
+                if gen == w.gen:
+                    w.step_done(t)
+            elif kind == _SCRAPE:
+                self.scrape()
+                busy = any(w.step_end >= 0 or w.waiting for w in self.workers.values())
+                if pending or busy:
+                    self.push(t + self.settings.scrape_interval_s, _SCRAPE, None)
+            else:
+                ep, keys, store = obj
+                (index_store if store else index_remove)(self.index, ep, keys)
+        return self.result()
+
+    def result(self) -> PolicyResult:
+        done = [r for r in self.reqs if r.first >= 0]
+        ttft = [(r.first - r.arrival) * 1000.0 for r in done]
+        q = sum(w.cache.queries_tokens for w in self.workers.values())
+        h = sum(w.cache.hits_tokens for w in self.workers.values())
+        t0 = min((r.arrival for r in self.reqs), default=0.0)
+        t1 = max((r.done for r in self.reqs), default=0.0)
+        span = t1 - t0
+        per_worker = [float(w.prompt_tokens) for w in self.workers.values()]
+        return PolicyResult(
+            hit_rate=h / q if q else 0.0,
+            ttft_p50_ms=percentile(ttft, 50),
+            ttft_p99_ms=percentile(ttft, 99),
+            throughput_rps=len(done) / span if span > 0 else 0.0,
+            imbalance=imbalance(per_worker),
+            requests=len(self.reqs),
+            errors=self.errors,
+            extra={
+                "ttft_mean_ms": round(sum(ttft) / len(ttft), 2) if ttft else 0.0,
+                "reasons": dict(sorted(self.reasons.items())),
+                "prompt_tokens_per_worker": [int(x) for x in per_worker],
+                "evictions": sum(w.cache.evictions for w in self.workers.values()),
+                "sim_duration_s": round(span, 3),
+            },
+        )
+
+
+def index_store(index: BlockIndex, endpoint: str, keys: list[int]) -> None:
+    """Apply a BlockStored (GPU medium) for `endpoint`: engine hash = our key here."""
+    index.add(endpoint, None, keys, keys, "GPU")
+
+
+def index_remove(index: BlockIndex, endpoint: str, keys: list[int]) -> None:
+    """Apply a BlockRemoved (GPU medium) for `endpoint`."""
+    index.remove(endpoint, None, keys, "GPU")
+
+
+def set_clock(obj: object, clock: Callable[[], float], depth: int = 0) -> None:
+    """Point a policy's (and its inner policy's) `clock` at the simulated clock."""
+    if hasattr(obj, "clock"):
+        obj.clock = clock  # type: ignore[attr-defined]
+    inner = getattr(obj, "inner", None)
+    if inner is not None and depth < 4:
+        set_clock(inner, clock, depth + 1)
+
+
+def run_replay(
+    workload: Workload,
+    policy: str,
+    settings: ReplaySettings,
+    keys: RequestKeys | None = None,
+) -> PolicyResult:
+    """Replay `workload` routed by `policy` on the simulated fleet of `settings`."""
+    if keys is None:
+        keys = RequestKeys(workload, settings.block_size)
+    t = time.perf_counter()
+    res = _Replay(workload, keys, policy, settings).run()
+    res.extra["wall_s"] = round(time.perf_counter() - t, 2)
+    return res
+
+
+def oracle_token_hit_rate(workload: Workload, keys: RequestKeys) -> float:
+    """Infinite-cache hit ratio in tokens, counted like the workers' counters.
+
+    Every full block ever seen stays cached; a request hits its leading blocks already
+    seen (x block_size tokens, at most its prompt) over its prompt tokens.
+    """
+    seen: set[int] = set()
+    hit = total = 0
+    bs = keys.hasher.block_size
+    for r, ks in zip(workload.requests, keys.keys, strict=True):
+        k = 0
+        for key in ks:
+            if key not in seen:
+                break
+            k += 1
+        hit += min(k * bs, r.prompt_tokens)
+        total += r.prompt_tokens
+        seen.update(ks)
+    return hit / total if total else 0.0

@@ -1,0 +1,202 @@
+"""Benchmark and demo output: a text table, results.json and PNG charts (matplotlib Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# The keys every policy entry of results.json carries (the oracle only has hit_rate).
+RESULT_KEYS = (
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "throughput_rps",
+    "imbalance",
+    "requests",
+    "errors",
+)
+ORACLE = "oracle"
+
+
+def _fmt(v: Any, key: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and math.isnan(v):
+        return "-"
+    if key == "hit_rate":
+        return f"{float(v):.3f}"
+    if key in ("ttft_p50_ms", "ttft_p99_ms"):
+        return f"{float(v):.0f}"
+    if key in ("throughput_rps", "imbalance"):
+        return f"{float(v):.2f}"
+    return str(v)
+
+
+def format_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = None) -> str:
+    """One row per policy; a peer that failed shows its error instead of numbers."""
+    headers = [
+        "policy",
+        "hit rate",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "req/s",
+        "imbalance",
+        "requests",
+        "errors",
+    ]
+    rows: list[list[str]] = []
+    for name, r in policies.items():
+        if "error" in r and "hit_rate" not in r:
+            rows.append([name, f"error: {str(r['error'])[:70]}"])
+            continue
+        rows.append([name, *(_fmt(r.get(k), k) for k in RESULT_KEYS)])
+    widths = [len(h) for h in headers]
+    for row in rows:
+        if len(row) == len(headers):
+            widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append(
+        "  ".join(
+            h.rjust(w) if i else h.ljust(w)
+            for i, (h, w) in enumerate(zip(headers, widths, strict=True))
+        )
+    )
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        if len(row) != len(headers):
+            lines.append(f"{row[0].ljust(widths[0])}  {row[1]}")
+            continue
+        lines.append(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
+def format_sweep(sweep: Mapping[str, Any]) -> str:
+    """The capacity sweep as a table: one row per policy, one hit-rate column per capacity."""
+    caps = [str(c) for c in sweep["capacities"]]
+    lines = ["capacity sweep (hit rate; blocks per worker)"]
+    lines.append("policy".ljust(14) + "".join(c.rjust(11) for c in caps))
+    for name, vals in sweep["hit_rate"].items():
+        cells = "".join(("-" if v is None else f"{v:.3f}").rjust(11) for v in vals)
+        lines.append(name.ljust(14) + cells)
+    return "\n".join(lines)
+
+
+def results_doc(
+    workload: str,
+    policies: Mapping[str, Mapping[str, Any]],
+    settings: Mapping[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The results.json document: {"workload", "settings"?, "policies", ...extra}."""
+    doc: dict[str, Any] = {"workload": workload}
+    if settings is not None:
+        doc["settings"] = dict(settings)
+    doc["policies"] = {k: dict(v) for k, v in policies.items()}
+    doc.update(extra)
+    return doc
+
+
+def write_json(path: Path, doc: Mapping[str, Any]) -> Path:
+    """Write `doc` as indented JSON (creating the directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_policies(policies: Mapping[str, Mapping[str, Any]], path: Path, title: str) -> Path | None:
+    """Bar charts: hit rate (with the oracle as a line) and TTFT p50/p99 per policy."""
+    names = [n for n, r in policies.items() if n != ORACLE and "ttft_p50_ms" in r]
+    if not names:
+        return None
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    hits = [float(policies[n]["hit_rate"]) for n in names]
+    x = list(range(len(names)))
+    ax1.bar(x, hits, color="#4C72B0")
+    oracle = policies.get(ORACLE, {}).get("hit_rate")
+    if oracle is not None:
+        ax1.axhline(float(oracle), color="#C44E52", linestyle="--", label=f"oracle {oracle:.3f}")
+        ax1.legend(loc="upper right")
+    ax1.set_xticks(x, names, rotation=20, ha="right")
+    ax1.set_ylabel("prefix-cache hit rate (tokens)")
+    ax1.set_title("hit rate (workers' counters)")
+    for i, h in enumerate(hits):
+        ax1.text(i, h, f"{h:.3f}", ha="center", va="bottom", fontsize=8)
+    w = 0.38
+    p50 = [float(policies[n]["ttft_p50_ms"]) for n in names]
+    p99 = [float(policies[n]["ttft_p99_ms"]) for n in names]
+    ax2.bar([i - w / 2 for i in x], p50, w, label="p50", color="#55A868")
+    ax2.bar([i + w / 2 for i in x], p99, w, label="p99", color="#DD8452")
+    ax2.set_xticks(x, names, rotation=20, ha="right")
+    ax2.set_ylabel("TTFT (ms)")
+    ax2.set_title("time to first token")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(sweep: Mapping[str, Any], path: Path, title: str) -> Path:
+    """Hit rate per policy against KV capacity per worker (categorical x axis)."""
+    plt = _plt()
+    caps = [str(c) for c in sweep["capacities"]]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    x = list(range(len(caps)))
+    for name, vals in sweep["hit_rate"].items():
+        pts = [(i, v) for i, v in zip(x, vals, strict=True) if v is not None]
+        style = "--" if name == ORACLE else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+    ax.set_xticks(x, caps)
+    ax.set_xlabel("KV capacity per worker (blocks)")
+    ax.set_ylabel("prefix-cache hit rate")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def check_results_shape(doc: Mapping[str, Any]) -> list[str]:
+    """Problems with a results.json document (empty when it has the agreed shape)."""
+    problems = []
+    if not isinstance(doc.get("workload"), str):
+        problems.append("workload: missing or not a string")
+    pols = doc.get("policies")
+    if not isinstance(pols, dict) or not pols:
+        return [*problems, "policies: missing or empty"]
+    for name, r in pols.items():
+        if not isinstance(r, dict):
+            problems.append(f"policies.{name}: not an object")
+            continue
+        if "error" in r and "hit_rate" not in r:
+            continue
+        need: Sequence[str] = ("hit_rate",) if name == ORACLE else RESULT_KEYS
+        for k in need:
+            if not isinstance(r.get(k), int | float):
+                problems.append(f"policies.{name}.{k}: missing or not a number")
+    return problems
