@@ -47,7 +47,10 @@ EVENT_LAG = Histogram(
 _APPLIED = {
     (t, o): EVENTS_APPLIED.labels(t, o)
     for t, outcomes in (
-        ("BlockStored", ("ok", "unknown_parent", "block_size_mismatch", "other_group", "short")),
+        (
+            "BlockStored",
+            ("ok", "unknown_parent", "block_size_mismatch", "other_group", "short", "bad_tokens"),
+        ),
         ("BlockRemoved", ("ok", "unknown_hash", "other_group")),
         ("AllBlocksCleared", ("ok",)),
     )
@@ -67,6 +70,7 @@ class ApplyStats:
     unknown_hash: int = 0
     other_group: int = 0
     block_size_mismatch: int = 0
+    bad_tokens: int = 0
     last_block_size: int | None = None
 
 
@@ -147,6 +151,24 @@ class Applier:
             if salt is None and len(first) == 1 and isinstance(first[0], str):
                 salt, first = first[0], []
             ns = namespace_key(lora, salt, first or None)
+        try:
+            keys = self._keys(ev, n, ns, parent, per_block)
+        except (TypeError, OverflowError, ValueError):
+            st.bad_tokens += 1
+            _APPLIED["BlockStored", "bad_tokens"].inc()
+            return
+        ekeys = [engine_key(h) for h in ev.block_hashes[:n]]
+        self.index.add(ep, rank, ekeys, keys, ev.medium)
+        st.stored += n
+        _APPLIED["BlockStored", "ok"].inc()
+        _BLOCKS["BlockStored"].inc(n)
+
+    def _keys(
+        self, ev: BlockStored, n: int, ns: int, parent: int | None, per_block: bool
+    ) -> list[int]:
+        hasher = self.hasher
+        bs = hasher.block_size
+        ek = ev.extra_keys or []
         tokens = ev.token_ids
         if not per_block:
             keys = hasher.keys(tokens if n * bs == len(tokens) else tokens[: n * bs], ns, parent)
@@ -161,11 +183,7 @@ class Applier:
                 (k,) = hasher.keys(tokens[i * bs : (i + 1) * bs], block_ns, prev)
                 keys.append(k)
                 prev = k
-        ekeys = [engine_key(h) for h in ev.block_hashes[:n]]
-        self.index.add(ep, rank, ekeys, keys, ev.medium)
-        st.stored += n
-        _APPLIED["BlockStored", "ok"].inc()
-        _BLOCKS["BlockStored"].inc(n)
+        return keys
 
     def _removed(self, ep: str, rank: int | None, ev: BlockRemoved, st: ApplyStats) -> None:
         if ev.group_idx:
