@@ -303,7 +303,7 @@ async def test_draining_refuses_new_streams(harness) -> None:
     h = await harness()
     h.app.extproc.draining = True
     call = h.stream()
-    await call.write(headers_msg({}, end_of_stream=True))
     with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await call.write(headers_msg({}, end_of_stream=True))
         await call.read()
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
