@@ -9,9 +9,9 @@ What transformers adds on top of `tokenizer.json` and we mirror (transformers 5.
 
 * named special tokens (`bos_token`, `eos_token`, ...) from `tokenizer_config.json`; they are
   also the template variables `apply_chat_template` passes (`special_tokens_map`);
-* when `tokenizer_config.json` sets `add_bos_token` or `add_eos_token`, the post-processor
-  becomes `[bos] $A [eos]` by those flags; otherwise `tokenizer.json`'s post-processor
-  decides what `add_special_tokens=True` adds.
+* `add_special_tokens=True` adds what `tokenizer.json`'s post-processor adds (BOS/EOS of a
+  `TemplateProcessing`); like transformers 5, `add_bos_token`/`add_eos_token` in
+  `tokenizer_config.json` are ignored when a `tokenizer.json` exists.
 """
 
 from __future__ import annotations
@@ -158,7 +158,10 @@ class LocalTokenizer:
         call when the tokenizer is not segment-safe or there is no cache.
         """
         if not self.segment_safe or cache is None or cache.max_bytes <= 0:
-            body = ids_to_bytes(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            # encode_batch_fast releases the GIL (plain `encode` does not, tokenizers
+            # 0.23): other requests and the event loop keep running meanwhile.
+            enc = self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0]
+            body = ids_to_bytes(enc.ids)
             if stats is not None:
                 stats.segments += 1
                 stats.misses += 1
@@ -280,29 +283,18 @@ def load_tokenizer(
     decoder = tok.get_added_tokens_decoder()
     added = {t.content: i for i, t in decoder.items()}
 
-    # add_special_tokens=True: what the post-processor puts around the text.
-    if "add_bos_token" in cfg or "add_eos_token" in cfg:
-        pre: list[int] = []
-        suf: list[int] = []
-        for flag, name, dest in (
-            ("add_bos_token", "bos_token", pre),
-            ("add_eos_token", "eos_token", suf),
-        ):
-            tokname = special.get(name)
-            if cfg.get(flag) and tokname is not None:
-                tid = tok.token_to_id(tokname)
-                if tid is None:
-                    raise TokenizerLoadError(f"{cfg_path}: {name} {tokname!r} is not in the vocab")
-                dest.append(tid)
-        prefix, suffix = tuple(pre), tuple(suf)
-    else:
-        plain = tok.encode("a", add_special_tokens=False).ids
-        full = tok.encode("a", add_special_tokens=True).ids
-        prefix, suffix = (), ()
-        for i in range(len(full) - len(plain) + 1):
-            if full[i : i + len(plain)] == plain:
-                prefix, suffix = tuple(full[:i]), tuple(full[i + len(plain) :])
-                break
+    # add_special_tokens=True: what tokenizer.json's post-processor puts around the text.
+    # transformers 5 ignores tokenizer_config's add_bos_token/add_eos_token when a
+    # tokenizer.json exists (PreTrainedTokenizerBase._from_pretrained pops them), so we do
+    # too: the post-processor is the one source of truth.
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            prefix, suffix = tuple(full[:i]), tuple(full[i + len(plain) :])
+            break
 
     # Flags that make a token eat its neighbours or match after normalization break the
     # "pieces are independent" argument: such tokenizers are encoded whole.

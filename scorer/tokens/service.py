@@ -235,6 +235,8 @@ class Tokenization:
         lt = self.tokenizer_for(model if model is not None else body.get("model"))
         if lt is None:
             raise NoTokenizer(f"no tokenizer for model {model!r}")
+        if "messages" not in body and isinstance(body.get("prompt"), str):
+            return str(body["prompt"])
         return self._render(lt, body)
 
     def _render(self, lt: LocalTokenizer, body: Mapping[str, Any]) -> str:

@@ -1,0 +1,271 @@
+"""Tokenization: the request-path stage, its registry, namespaces and thread pool."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokens_helpers import HEADERS, QWEN3, hf, local, make_tokens
+
+from scorer.blocks import BlockHasher, namespace_key
+from scorer.config import Config, ConfigError, PoolConfig, TokenizerModelConfig, TokensConfig
+from scorer.routing import RoutingRequest
+from scorer.tokens import Tokenization, TokenizeError
+from scorer.tokens.chat import content_format, normalize_messages, normalize_tools
+from scorer.tokens.registry import resolve_tokenizer_files
+
+
+@pytest.fixture(scope="module")
+def tokens() -> Any:
+    t = make_tokens(lora_base={"qwen3-sql-lora": "qwen3"})
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+async def test_prepare_fills_tokens_and_keys(tokens: Tokenization) -> None:
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "Hello " * 40}]}
+    req = RoutingRequest(request_id="r1", model="qwen3", body=body)
+    await tokens.prepare(req)
+    assert req.tokenize_error is None
+    assert req.token_ids is not None and req.token_ids[0] == local(QWEN3).added["<|im_start|>"]
+    assert req.prompt_tokens == len(req.token_ids)
+    assert req.block_size == 16
+    assert req.block_keys == BlockHasher(16).keys(req.token_ids)
+    assert len(req.block_keys) == len(req.token_ids) // 16
+
+
+async def test_no_tokenizer_and_bad_bodies(tokens: Tokenization) -> None:
+    req = RoutingRequest(request_id="r", model="unknown", body={"prompt": "hi"})
+    await tokens.prepare(req)
+    assert req.token_ids is None and req.tokenize_error is None  # → no_tokenizer by policy
+    bad: list[dict[str, Any]] = [
+        {"messages": "not a list"},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": [{"role": "system", "content": "x"}, {"role": "system", "content": "y"}]},
+        {"prompt": 42},
+        {"prompt": [1, "a"]},
+        {"prompt": [-1]},
+        {"nothing": True},
+        {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+        {"prompt": "x", "cache_salt": 5},
+    ]
+    for body in bad:
+        model = "headers" if body.get("messages") and len(body["messages"]) == 2 else "qwen3"
+        r = RoutingRequest(request_id="r", model=model, body=body)
+        await tokens.prepare(r)
+        assert r.tokenize_error, body
+        assert r.token_ids is None
+    r = RoutingRequest(request_id="r", model="headers", body=bad[2])
+    await tokens.prepare(r)
+    assert "only allowed first" in (r.tokenize_error or "")  # raise_exception's message
+
+
+def test_namespaces_lora_and_cache_salt(tokens: Tokenization) -> None:
+    prompt = {"prompt": "The same words " * 20}
+    base = tokens.tokenize_body("qwen3", prompt)
+    lora = tokens.tokenize_body("qwen3-sql-lora", prompt)
+    salted = tokens.tokenize_body("qwen3", {**prompt, "cache_salt": "tenant-a"})
+    assert base.namespace == 0
+    assert lora.token_ids == base.token_ids and lora.model == "qwen3"
+    assert lora.namespace == namespace_key(lora_name="qwen3-sql-lora")
+    assert salted.namespace == namespace_key(cache_salt="tenant-a")
+    assert len({tuple(base.block_keys), tuple(lora.block_keys), tuple(salted.block_keys)}) == 3
+    hasher = BlockHasher(16)
+    assert salted.block_keys == hasher.keys(base.token_ids, salted.namespace)
+
+
+def test_completions_token_ids_and_batches(tokens: Tokenization) -> None:
+    ids = list(range(100, 140))
+    tp = tokens.tokenize_body("qwen3", {"prompt": ids})
+    assert tp.token_ids == ids and tp.kind == "token_ids"
+    # A batch is scored by its first prompt (documented choice).
+    first = tokens.tokenize_body("qwen3", {"prompt": "first prompt"})
+    batch = tokens.tokenize_body("qwen3", {"prompt": ["first prompt", "second one"]})
+    assert batch.token_ids == first.token_ids and batch.stats["batch"] == 2
+    batch_ids = tokens.tokenize_body("qwen3", {"prompt": [[5, 6, 7], [8, 9]]})
+    assert batch_ids.token_ids == [5, 6, 7]
+    # The body's add_special_tokens overrides the default, as in vLLM.
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = tokens.tokenize_body("headers", chat).token_ids
+    with_bos = tokens.tokenize_body("headers", {**chat, "add_special_tokens": True}).token_ids
+    assert plain == with_bos  # this tokenizer.json's post-processor adds nothing
+    assert plain[0] == local(QWEN3).added["<|endoftext|>"]  # the template's own bos_token
+
+
+def test_content_parts_flattened_like_vllm(tokens: Tokenization) -> None:
+    parts = [
+        {"type": "text", "text": "first"},
+        {"type": "text", "text": "second"},
+        "third",
+        {"type": "refusal", "refusal": "no"},
+    ]
+    a = tokens.render("qwen3", {"messages": [{"role": "user", "content": parts}]})
+    b = tokens.render(
+        "qwen3", {"messages": [{"role": "user", "content": "first\nsecond\nthird\nno"}]}
+    )
+    assert a == b
+    # Templates that loop over content get the parts ("openai" format).
+    loop = (
+        "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]"
+        "{% endfor %}{% endfor %}"
+    )
+    assert content_format(loop) == "openai"
+    assert content_format(local(QWEN3).chat_templates["default"]) == "string"
+    body = {"messages": [{"role": "user", "content": parts[:2]}], "chat_template": loop}
+    assert tokens.render("qwen3", body) == "[first][second]"
+    body = {"messages": [{"role": "user", "content": "plain"}], "chat_template": loop}
+    assert tokens.render("qwen3", body) == "[plain]"
+
+
+def test_message_and_tool_normalization() -> None:
+    msgs = normalize_messages(
+        [
+            {"role": "user", "content": None, "extra": 1},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning": "r",
+                "tool_calls": [
+                    {
+                        "id": "1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": '{"a": 1}'},
+                    },
+                    {"id": "2", "type": "function", "function": {"name": "g", "arguments": "oops"}},
+                ],
+            },
+            {"role": "tool", "content": "x", "tool_call_id": "1", "name": "f"},
+            {"role": "assistant", "content": "y", "tool_calls": []},
+        ],
+        "string",
+    )
+    assert msgs[0] == {"role": "user", "content": ""}
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert msgs[1]["tool_calls"][1]["function"]["arguments"] == {}
+    assert msgs[1]["reasoning_content"] == "r"
+    assert msgs[2] == {"role": "tool", "content": "x", "tool_call_id": "1", "name": "f"}
+    assert "tool_calls" not in msgs[3]
+    tools = normalize_tools([{"function": {"parameters": {}, "name": "f", "strict": True}}])
+    assert tools == [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": None, "parameters": {}, "strict": True},
+        }
+    ]
+    assert list(tools[0]["function"]) == ["name", "description", "parameters", "strict"]
+
+
+async def test_huge_prompt_does_not_stall_a_tiny_one() -> None:
+    t = make_tokens({"qwen3": QWEN3}, threads=2, segment_cache_bytes=0)
+    try:
+        # ~ 600k characters of varied text: hundreds of milliseconds in the tokenizer.
+        huge_text = " ".join(f"word{i} lorem ipsum {i * 7919 % 1000}" for i in range(40_000))
+        huge = RoutingRequest(request_id="huge", model="qwen3", body={"prompt": huge_text})
+        tiny = RoutingRequest(request_id="tiny", model="qwen3", body={"prompt": "hello"})
+        t0 = time.perf_counter()
+        huge_task = asyncio.create_task(t.prepare(huge))
+        await asyncio.sleep(0.01)  # the huge one is in the tokenizer now
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not huge_task.done():
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        tick_task = asyncio.create_task(ticker())
+        await t.prepare(tiny)
+        tiny_done = time.perf_counter()
+        assert not huge_task.done()  # the tiny one finished first
+        await huge_task
+        huge_done = time.perf_counter()
+        await tick_task
+        assert tiny.token_ids == [14990]
+        assert huge.prompt_tokens > 100_000
+        assert tiny_done - t0 < huge_done - t0
+        assert ticks >= 3  # the event loop kept running while the huge one tokenized
+    finally:
+        t.close()
+
+
+def test_registry_paths_and_hf_cache_layout(tmp_path: Path) -> None:
+    # A tokenizer.json file; a directory; the HF hub cache layout.
+    f, cfg = resolve_tokenizer_files(QWEN3 / "tokenizer.json")
+    assert f == QWEN3 / "tokenizer.json" and cfg == QWEN3 / "tokenizer_config.json"
+    snap = tmp_path / "models--Qwen--Qwen3-0.6B" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (snap / name).symlink_to(QWEN3 / name)
+    (tmp_path / "models--Qwen--Qwen3-0.6B" / "refs").mkdir()
+    (tmp_path / "models--Qwen--Qwen3-0.6B" / "refs" / "main").write_text("abc123")
+    f, cfg = resolve_tokenizer_files(tmp_path / "models--Qwen--Qwen3-0.6B")
+    assert f == snap / "tokenizer.json" and cfg == snap / "tokenizer_config.json"
+    # A bare tokenizer.json without a config: no chat template → chat is a tokenize error.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(QWEN3 / "tokenizer.json", bare / "tokenizer.json")
+    t = make_tokens({"hub": tmp_path / "models--Qwen--Qwen3-0.6B", "bare": bare / "tokenizer.json"})
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        assert t.tokenize_body("hub", body).token_ids == list(
+            hf(QWEN3).apply_chat_template(body["messages"], add_generation_prompt=True)["input_ids"]
+        )
+        with pytest.raises(TokenizeError, match="no chat template"):
+            t.tokenize_body("bare", body)
+        assert t.tokenize_body("bare", {"prompt": "hello"}).token_ids == [14990]
+    finally:
+        t.close()
+
+
+def test_config_errors_name_the_field(tmp_path: Path) -> None:
+    def build(**kw: Any) -> Tokenization:
+        return Tokenization(Config(**kw), BlockHasher(16))
+
+    with pytest.raises(ConfigError, match=r"tokens\.models\.m\.tokenizer: .*no such file"):
+        build(
+            tokens=TokensConfig(models={"m": TokenizerModelConfig(tokenizer=str(tmp_path / "x"))})
+        )
+    with pytest.raises(ConfigError, match=r"tokens\.models\.m\.chat_template"):
+        build(
+            tokens=TokensConfig(
+                models={"m": TokenizerModelConfig(tokenizer=str(QWEN3), chat_template="/nope.j2")}
+            )
+        )
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"tokens\.models\.m\.tokenizer: .*cannot load"):
+        build(
+            tokens=TokensConfig(
+                models={"m": TokenizerModelConfig(tokenizer=str(tmp_path / "broken"))}
+            )
+        )
+    with pytest.raises(ConfigError, match=r"tokens\.models: no tokenizer for model 'other'"):
+        build(
+            pool=PoolConfig(models=["qwen3", "other"]),
+            tokens=TokensConfig(
+                models={"qwen3": TokenizerModelConfig(tokenizer=str(QWEN3))}, on_missing="error"
+            ),
+        )
+    # on_missing="load": the same configuration starts; the model routes by load.
+    t = build(
+        pool=PoolConfig(models=["qwen3", "other"]),
+        tokens=TokensConfig(models={"qwen3": TokenizerModelConfig(tokenizer=str(QWEN3))}),
+    )
+    assert t.tokenizer_for("other") is None and t.tokenizer_for("qwen3") is not None
+    t.close()
+    # A chat_template file from the configuration overrides the tokenizer's.
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    t = build(
+        tokens=TokensConfig(
+            models={"m": TokenizerModelConfig(tokenizer=str(HEADERS), chat_template=str(tpl))}
+        )
+    )
+    assert t.render("m", {"messages": [{"role": "user", "content": "x"}]}) == "<user>x"
+    t.close()
