@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -156,29 +156,33 @@ def cost(
 
 def pick(
     costs: Sequence[float],
-    loads: Sequence[tuple[float, int]],
+    tiebreak: Callable[[int], tuple[float, int]],
     temperature: float,
     rng: random.Random,
 ) -> int:
     """Index of the winner: lowest cost, then least load, then random; or softmax sampling.
 
-    `loads[i]` is (load in blocks, in-flight requests), the tie-breaker.
+    `tiebreak(i)` is candidate i's (load in blocks, in-flight requests); it is only asked
+    for when costs tie.
     """
     n = len(costs)
+    if n == 1:
+        return 0
     c_min = min(costs)
-    if temperature > 0.0 and n > 1:
+    if temperature > 0.0:
         c_max = max(costs)
         if c_max > c_min:
             scale = (c_max - c_min) * temperature
             weights = [math.exp(-(c - c_min) / scale) for c in costs]
             return rng.choices(range(n), weights=weights)[0]
     # Costs equal within float noise are ties.
-    eps = 1e-9 * max(1.0, abs(c_min))
-    tied = [i for i in range(n) if costs[i] - c_min <= eps]
-    if len(tied) == 1:
-        return tied[0]
-    best = min(loads[i] for i in tied)
-    tied = [i for i in tied if loads[i] == best]
+    limit = c_min + 1e-9 * max(1.0, abs(c_min))
+    if sum(map(limit.__ge__, costs)) == 1:
+        return costs.index(c_min)
+    tied = [i for i in range(n) if costs[i] <= limit]
+    keyed = [(tiebreak(i), i) for i in tied]
+    best = min(k for k, _ in keyed)
+    tied = [i for k, i in keyed if k == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

@@ -16,14 +16,7 @@ from typing import Any, Protocol
 from pydantic import Field
 
 from scorer.policy.base import Policy, PolicyContext, register
-from scorer.policy.cost import (
-    CostOptions,
-    busy_reason,
-    cost,
-    decayed_credit,
-    load_terms,
-    pick,
-)
+from scorer.policy.cost import CostOptions, pick
 from scorer.pool.workers import Worker
 from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
 
@@ -87,6 +80,11 @@ class CacheAwarePolicy(Policy):
         idx: IndexLike | None = self.ctx.services.get("index")
         return idx
 
+    def checks_streams(self) -> bool:
+        """Whether `stream_stale` can ever be True for this decision (saves a call per
+        candidate when there is no event stream to watch)."""
+        return False
+
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s cache signal is not to be trusted right now."""
         return False
@@ -131,74 +129,160 @@ class CacheAwarePolicy(Policy):
         if wrb is None:
             wrb = max(req_blocks, 1.0)
         stale_after = config.load.stale_after_s
-        scores: list[CandidateScore] = []
-        terms = []
+        busy_w = opts.busy_waiting
+        busy_k = opts.busy_kv_usage
+        busy_i = opts.busy_inflight
+        # Pass 1: load terms (scorer.policy.cost.load_terms) and the busy filter
+        # (busy_reason), written out inline into flat lists because this runs once per
+        # candidate per request. The explanation rows are built after the pick.
+        n = len(candidates)
+        pfs: list[float] = []
+        dcs: list[float] = []
+        wqs: list[float] = []
+        kus: list[float] = []
+        busys: list[str | None] = []
         eligible: list[int] = []
+        # Bound methods and a precomputed freshness bound: this loop is the hot spot.
+        add_pf, add_dc, add_wq, add_ku = pfs.append, dcs.append, wqs.append, kus.append
+        add_busy, add_eligible = busys.append, eligible.append
+        fresh_since = now - stale_after
         for i, w in enumerate(candidates):
-            t = load_terms(w, now, stale_after, wrb)
-            terms.append(t)
-            cs = CandidateScore(
-                endpoint=w.endpoint,
-                inflight=w.inflight.requests,
-                prefill_blocks=t.prefill,
-                decode_blocks=t.decode,
-                waiting=t.waiting,
-                kv_usage=t.kv_usage,
-            )
-            m = matches.get(w.endpoint)
-            if m is not None:
-                cs.matched_blocks = m.blocks
-                cs.matched_tokens = m.blocks * block_size
-                cs.overlap_by_medium = m.by_medium
-            busy = busy_reason(w, t, opts)
-            if busy is None:
-                eligible.append(i)
+            fl = w.inflight
+            sc = w.scraped
+            pf = fl.prefill_blocks
+            dc = fl.decode_blocks
+            busy: str | None = None
+            at = sc.at
+            if at > 0.0 and at >= fresh_since:
+                wq = sc.waiting
+                ku = sc.kv_usage
+                x = wq * wrb
+                if x > pf:
+                    pf = x
+                if sc.num_gpu_blocks:
+                    x = ku * sc.num_gpu_blocks
+                    if x > dc:
+                        dc = x
+                if busy_w is not None and wq >= busy_w:
+                    busy = "busy_waiting"
+                elif busy_k is not None and ku >= busy_k:
+                    busy = "busy_kv_usage"
             else:
-                cs.filtered = busy
-            scores.append(cs)
+                wq = ku = 0.0
+            if busy is None:
+                if busy_i is not None and fl.requests >= busy_i:
+                    busy = "busy_inflight"
+                else:
+                    add_eligible(i)
+            add_pf(pf)
+            add_dc(dc)
+            add_wq(wq)
+            add_ku(ku)
+            add_busy(busy)
 
         all_busy = not eligible
-        if all_busy:
-            if request.sheddable and opts.shed_when_busy:
-                d = refuse(self.name, Reason.SHED, 429, "every eligible worker is busy")
-                d.candidates = scores
-                d.stages["match"] = t_match - t0
-                d.stages["score"] = time.perf_counter() - t_match
-                return d
-            eligible = list(range(len(candidates)))
-
-        load_min = min(terms[i].total for i in eligible)
-        mcredit = opts.medium_credit
-        pls = opts.prefill_load_scale
-        decay = opts.credit_decay
         costs: list[float] = []
-        loads: list[tuple[float, int]] = []
+        # Per matched candidate: (match, weighted overlap, credit, stale?).
+        credit_of: dict[int, tuple[Any, float, float, bool]] = {}
         stale_any = False
-        for i in eligible:
-            cs = scores[i]
-            t = terms[i]
-            overlap = 0.0
-            if cs.matched_blocks:
-                credit = decayed_credit(t.total, load_min, req_blocks, decay)
-                if self.stream_stale(candidates[i], now):
-                    credit *= opts.stale_credit
-                    cs.note = "stale_events"
-                    stale_any = True
-                m = matches[cs.endpoint]
-                if mcredit is None:
-                    weighted = float(m.weighted)
-                else:
-                    gpu = mcredit.get("GPU", 1.0)
-                    weighted = sum(mcredit.get(k, gpu) * n for k, n in m.by_medium.items())
-                cs.weighted_overlap = weighted
-                cs.credit = credit
-                overlap = credit * weighted
-            c = cost(pls, t.prefill, t.decode, req_blocks, overlap)
-            cs.cost = c
-            costs.append(c)
-            loads.append((t.total, cs.inflight))
+        if all_busy and request.sheddable and opts.shed_when_busy:
+            j = -1
+        else:
+            if all_busy:
+                eligible = list(range(n))
+            load_min = min([pfs[i] + dcs[i] for i in eligible])
+            mcredit = opts.medium_credit
+            pls = opts.prefill_load_scale
+            decay = opts.credit_decay
+            excess_unit = max(load_min, req_blocks, 1.0)
+            check_stale = self.checks_streams()
+            # Pass 2: cost (scorer.policy.cost.cost, inline) of every eligible candidate.
+            for i in eligible:
+                w = candidates[i]
+                total = pfs[i] + dcs[i]
+                p = pfs[i] + req_blocks
+                m = matches.get(w.endpoint) if matches else None
+                if m is not None:
+                    # decayed_credit(total, load_min, req_blocks, decay), inline.
+                    if decay > 0.0 and total > load_min:
+                        credit = 1.0 / (1.0 + decay * (total - load_min) / excess_unit)
+                    else:
+                        credit = 1.0
+                    stale = check_stale and self.stream_stale(w, now)
+                    if stale:
+                        credit *= opts.stale_credit
+                        stale_any = True
+                    if mcredit is None:
+                        weighted = float(m.weighted)
+                    else:
+                        gpu = mcredit.get("GPU", 1.0)
+                        weighted = sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
+                    credit_of[i] = (m, weighted, credit, stale)
+                    p -= credit * weighted
+                costs.append(pls * (p if p > 0.0 else 0.0) + dcs[i] + req_blocks)
+            elig = eligible
 
-        j = pick(costs, loads, opts.temperature, self.ctx.rng)
+            def tiebreak(k: int) -> tuple[float, int]:
+                i = elig[k]
+                return (pfs[i] + dcs[i], candidates[i].inflight.requests)
+
+            j = pick(costs, tiebreak, opts.temperature, self.ctx.rng)
+        t_score = time.perf_counter()
+
+        # The explanation: one row per candidate, filtered ones included.
+        cost_of = dict(zip(eligible, costs, strict=True)) if costs else {}
+        scores: list[CandidateScore] = []
+        for i, w in enumerate(candidates):
+            got = credit_of.get(i)
+            if got is None:
+                mm = matches.get(w.endpoint) if matches else None
+                mb = 0 if mm is None else mm.blocks
+                scores.append(
+                    CandidateScore(
+                        w.endpoint,
+                        mb,
+                        mb * block_size,
+                        {} if mm is None else mm.by_medium,
+                        0.0,
+                        1.0,
+                        w.inflight.requests,
+                        pfs[i],
+                        dcs[i],
+                        wqs[i],
+                        kus[i],
+                        cost_of.get(i),
+                        busys[i],
+                        None,
+                    )
+                )
+            else:
+                m, weighted, credit, stale = got
+                scores.append(
+                    CandidateScore(
+                        w.endpoint,
+                        m.blocks,
+                        m.blocks * block_size,
+                        m.by_medium,
+                        weighted,
+                        credit,
+                        w.inflight.requests,
+                        pfs[i],
+                        dcs[i],
+                        wqs[i],
+                        kus[i],
+                        cost_of.get(i),
+                        busys[i],
+                        "stale_events" if stale else None,
+                    )
+                )
+        if j < 0:
+            d = refuse(self.name, Reason.SHED, 429, "every eligible worker is busy")
+            d.candidates = scores
+            d.stages["match"] = t_match - t0
+            d.stages["score"] = t_score - t_match
+            d.stages["explain"] = time.perf_counter() - t_score
+            return d
+
         win = scores[eligible[j]]
         endpoints = [win.endpoint]
         if opts.fallbacks:
@@ -238,7 +322,8 @@ class CacheAwarePolicy(Policy):
             notes=notes,
         )
         d.stages["match"] = t_match - t0
-        d.stages["score"] = time.perf_counter() - t_match
+        d.stages["score"] = t_score - t_match
+        d.stages["explain"] = time.perf_counter() - t_score
         return d
 
 
@@ -249,6 +334,9 @@ class KvPolicy(CacheAwarePolicy):
     name = "kv"
     Options = KvOptions
     options: KvOptions
+
+    def checks_streams(self) -> bool:
+        return self.ctx.services.get("events") is not None
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""

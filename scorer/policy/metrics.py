@@ -19,7 +19,7 @@ MATCHED_RATIO = Histogram(
 )
 STAGE_SECONDS = Histogram(
     "kv_scorer_decision_stage_seconds",
-    "Decision latency by stage (parse, tokenize, hash, match, score, total)",
+    "Decision latency by stage (parse, tokenize, hash, match, score, explain, total)",
     ["stage"],
     buckets=(
         5e-6,
@@ -39,9 +39,9 @@ STAGE_SECONDS = Histogram(
         0.5,
     ),
 )
-# Stages reported in the histogram (Decision.stages keys). "policy" (match + score + the
-# policy's bookkeeping) stays in the decision log only.
-STAGES = ("parse", "tokenize", "hash", "match", "score", "total")
+# Stages reported in the histogram (Decision.stages keys). "policy" (match + score +
+# explain + bookkeeping, as the router times it) stays in the decision log only.
+STAGES = ("parse", "tokenize", "hash", "match", "score", "explain", "total")
 _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
 
 

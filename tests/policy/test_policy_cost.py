@@ -117,10 +117,10 @@ def test_decayed_credit_definition() -> None:
 def test_ties_go_to_least_loaded_then_random() -> None:
     rng = random.Random(1)
     # Equal cost: the one with less load wins every time.
-    assert pick([10.0, 10.0], [(5.0, 1), (3.0, 1)], 0.0, rng) == 1
+    assert pick([10.0, 10.0], [(5.0, 1), (3.0, 1)].__getitem__, 0.0, rng) == 1
     # Equal cost and load: both win sometimes.
     loads = [(1.0, 0), (1.0, 0), (0.0, 0)]
-    wins = Counter(pick([4.0, 4.0, 9.0], loads, 0.0, rng) for _ in range(200))
+    wins = Counter(pick([4.0, 4.0, 9.0], loads.__getitem__, 0.0, rng) for _ in range(200))
     assert set(wins) == {0, 1} and min(wins.values()) > 50
 
 
@@ -235,11 +235,11 @@ def test_temperature_sampling_matches_softmax() -> None:
     assert probs[0] > probs[1] > probs[2]
     n = 6000
     rng = random.Random(12345)
-    counts = Counter(pick(costs, loads, temp, rng) for _ in range(n))
+    counts = Counter(pick(costs, loads.__getitem__, temp, rng) for _ in range(n))
     chi2 = sum((counts[i] - n * p) ** 2 / (n * p) for i, p in enumerate(probs))
     assert chi2 < 13.8  # df = 2, p = 0.001
     # T = 0 is deterministic.
-    assert {pick(costs, loads, 0.0, rng) for _ in range(50)} == {0}
+    assert {pick(costs, loads.__getitem__, 0.0, rng) for _ in range(50)} == {0}
 
 
 def test_temperature_in_policy_spreads_decisions() -> None:
