@@ -28,6 +28,7 @@ Workloads:
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 from collections.abc import Callable, Iterator
@@ -376,6 +377,12 @@ def load_workload(name: str, seed: int = 0, **params: Any) -> Workload:
     fn = WORKLOADS.get(name)
     if fn is None:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
+    accepted = [p for p in inspect.signature(fn).parameters if p != "seed"]
+    bad = [k for k in params if k not in accepted]
+    if bad:
+        raise ValueError(
+            f"workload {name}: unknown parameter(s) {', '.join(bad)} (known: {', '.join(accepted)})"
+        )
     return fn(seed=seed, **params)
 
 

@@ -1,0 +1,489 @@
+"""End-to-end benchmark: real HTTP through a real Envoy, the scorer and simulated workers.
+
+Topology per run (all on 127.0.0.1, ports chosen at run time):
+
+    load generator ──HTTP──▶ Envoy ──ext_proc──▶ `kv-scorer serve` (policy under test)
+                               └──ORIGINAL_DST──▶ `kv-scorer sim` x N ──ZMQ KV events──▶ scorer
+
+Peers (sglang-router `cache_aware`, vllm-router `kv_aware`) front the same simulated
+workers directly (see scorer.bench.peers). Between policies every worker's prefix cache
+is reset (`POST /reset_prefix_cache`), so each policy starts cold.
+
+Time: the simulated workers run `speed` times faster than their model's time
+(`kv-scorer sim --speed`), arrivals are compressed by the same factor, and measured
+latencies are multiplied back, so TTFT is reported in *model* milliseconds comparable with
+the replay. Proxy and scorer overheads are multiplied too: at --time-scale 20 a 2 ms hop
+costs 40 model ms — a handicap every router in the run pays alike.
+
+Hit rate comes from the workers' own counters (`vllm:prefix_cache_hits` /
+`vllm:prefix_cache_queries`, deltas over the run); imbalance from the per-worker query
+counters (= prompt tokens each worker received).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from scorer.bench.procs import (
+    Proc,
+    ProcError,
+    ProcGroup,
+    free_port,
+    http_get,
+    http_post,
+    kv_scorer_argv,
+    metric_sums,
+    scorer_ports,
+    wait_until,
+)
+from scorer.bench.replay import imbalance, percentile
+from scorer.bench.workloads import BenchRequest, Workload
+
+MODEL = "bench-model"
+SESSION_HEADER = "x-session-affinity"  # scorer.extproc.protocol.SESSION_HEADER
+HITS = "vllm:prefix_cache_hits"
+QUERIES = "vllm:prefix_cache_queries"
+
+Log = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class E2ESettings:
+    """The fleet and the load generator."""
+
+    workers: int = 8
+    capacity_blocks: int | None = 1000
+    block_size: int = 512
+    speed: float = 1.0  # sims' --speed; arrivals are already divided by it
+    max_num_seqs: int = 256
+    seed: int = 0
+    concurrency: int = 256
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    run_dir: Path = field(default_factory=lambda: Path("bench/out/e2e-run"))
+    request_timeout_s: float = 600.0
+    progress: bool = False  # print a progress line while a policy runs
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """What the load generator measured (wall clock)."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    done: int = 0
+    first_error: str | None = None
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+
+def completion_body(r: BenchRequest, stream: bool = True) -> dict[str, Any]:
+    """An OpenAI /v1/completions body with a token-id prompt."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": r.token_ids(),
+        "max_tokens": r.output_tokens,
+        "ignore_eos": True,  # vLLM extension: generate exactly max_tokens
+        "temperature": 0.0,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _one(
+    http: aiohttp.ClientSession,
+    url: str,
+    r: BenchRequest,
+    res: LoadResult,
+    timeout_s: float,
+) -> None:
+    headers = {"content-type": "application/json"}
+    if r.session:
+        headers[SESSION_HEADER] = r.session
+    data = json.dumps(completion_body(r)).encode()
+    t0 = time.perf_counter()
+    first: float | None = None
+    try:
+        async with http.post(
+            url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:200]
+                raise RuntimeError(f"HTTP {resp.status}: {text}")
+            async for line in resp.content:
+                if first is None and line.startswith(b"data:") and b"[DONE]" not in line:
+                    first = time.perf_counter()
+            if first is None:
+                raise RuntimeError("stream ended without a token")
+    except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
+        res.errors += 1
+        if res.first_error is None:
+            res.first_error = f"{type(e).__name__}: {e}"
+        return
+    res.ttft_s.append(first - t0)
+    res.done += 1
+
+
+async def generate_load(
+    url: str,
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    timeout_s: float = 600.0,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadResult:
+    """Send every request at its arrival time (open loop, at most `concurrency` in flight).
+
+    TTFT = first SSE data line - request start (wall clock).
+    """
+    res = LoadResult()
+    sem = asyncio.Semaphore(concurrency)
+    conn = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    total = len(requests)
+    finished = 0
+
+    async with aiohttp.ClientSession(connector=conn) as http:
+        res.t_start = time.perf_counter()
+
+        async def fire(r: BenchRequest) -> None:
+            nonlocal finished
+            delay = res.t_start + r.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with sem:
+                await _one(http, url, r, res, timeout_s)
+            finished += 1
+            if progress is not None:
+                progress(finished, total)
+
+        await asyncio.gather(*(fire(r) for r in requests))
+        res.t_end = time.perf_counter()
+    return res
+
+
+# ------------------------------------------------------------------------------ fleet
+
+
+@dataclass(slots=True)
+class SimSpec:
+    """One simulated worker's addresses."""
+
+    port: int
+    events_port: int
+    replay_port: int
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://127.0.0.1:{self.replay_port}"
+
+
+class SimFleet:
+    """`kv-scorer sim` workers as child processes."""
+
+    def __init__(self, group: ProcGroup, settings: E2ESettings) -> None:
+        self.group = group
+        self.settings = settings
+        self.specs: list[SimSpec] = []
+        self.procs: list[Proc] = []
+
+    def argv(self, spec: SimSpec) -> list[str]:
+        s = self.settings
+        cap = s.capacity_blocks or 10_000_000  # "unbounded"
+        return kv_scorer_argv(
+            "sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(spec.port),
+            "--model",
+            MODEL,
+            "--block-size",
+            str(s.block_size),
+            "--num-gpu-blocks",
+            str(cap),
+            "--max-num-seqs",
+            str(s.max_num_seqs),
+            "--speed",
+            str(s.speed),
+            "--kv-events-endpoint",
+            f"tcp://127.0.0.1:{spec.events_port}",
+            "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{spec.replay_port}",
+            "--seed",
+            str(s.seed),
+        )
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start every worker, then wait for all of them to answer /health."""
+        for i in range(self.settings.workers):
+            spec = SimSpec(free_port(), free_port(), free_port())
+            self.specs.append(spec)
+            self.procs.append(self.group.start(f"sim{i}", self.argv(spec)))
+        for spec, p in zip(self.specs, self.procs, strict=True):
+            wait_until(
+                lambda spec=spec: http_get(spec.url + "/health", 1.0)[0] == 200,  # type: ignore[misc]
+                timeout_s,
+                f"{p.name} /health",
+                p,
+            )
+
+    def reset(self) -> None:
+        """Drop every worker's prefix cache (vLLM's POST /reset_prefix_cache)."""
+        for spec in self.specs:
+            deadline = time.monotonic() + 30.0
+            while True:
+                status, body = http_post(spec.url + "/reset_prefix_cache")
+                if status == 200:
+                    break
+                # vLLM refuses while requests run; ours too. Retry briefly.
+                if time.monotonic() > deadline:
+                    raise ProcError(f"reset_prefix_cache on {spec.endpoint}: {status} {body}")
+                time.sleep(0.2)
+
+    def counters(self) -> list[tuple[float, float]]:
+        """(prefix-cache queries, hits) per worker, in tokens."""
+        out = []
+        for spec in self.specs:
+            status, text = http_get(spec.url + "/metrics", 5.0)
+            if status != 200:
+                raise ProcError(f"{spec.endpoint}/metrics: HTTP {status}")
+            m = metric_sums(text, [QUERIES, HITS])
+            out.append((m[QUERIES], m[HITS]))
+        return out
+
+
+def summarize(
+    res: LoadResult,
+    before: list[tuple[float, float]],
+    after: list[tuple[float, float]],
+    speed: float,
+    requests: int,
+) -> dict[str, Any]:
+    """The results.json entry of one policy (times converted to model time)."""
+    dq = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    dh = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    q = sum(dq)
+    ttft_ms = [t * 1000.0 * speed for t in res.ttft_s]
+    span = (res.t_end - res.t_start) * speed
+    out: dict[str, Any] = {
+        "hit_rate": round(sum(dh) / q, 4) if q else 0.0,
+        "ttft_p50_ms": round(percentile(ttft_ms, 50), 2),
+        "ttft_p99_ms": round(percentile(ttft_ms, 99), 2),
+        "throughput_rps": round(res.done / span, 3) if span > 0 else 0.0,
+        "imbalance": round(imbalance(dq), 3),
+        "requests": requests,
+        "errors": res.errors,
+        "prompt_tokens_per_worker": [int(x) for x in dq],
+    }
+    if res.first_error:
+        out["first_error"] = res.first_error
+    return out
+
+
+# ------------------------------------------------------------------------------ scorer
+
+
+def write_stub_tokenizer(path: Path) -> Path:
+    """A tiny tokenizer.json: the scorer needs *a* tokenizer for the model even though
+    every benchmark prompt is token ids (taken as they are, never re-encoded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def scorer_config(
+    fleet: SimFleet, policy: str, settings: E2ESettings, tokenizer: Path
+) -> dict[str, Any]:
+    """The `kv-scorer serve` configuration for one policy over the fleet."""
+    return {
+        "server": {
+            "host": "127.0.0.1",
+            "extproc_port": 0,
+            "health_port": 0,
+            "admin_port": 0,
+            "grace_period_s": 1.0,
+        },
+        "pool": {
+            "workers": [
+                {
+                    "endpoint": s.endpoint,
+                    "events": {"endpoint": s.events, "replay_endpoint": s.replay},
+                    "metrics_url": s.url + "/metrics",
+                }
+                for s in fleet.specs
+            ],
+            "block_size": settings.block_size,
+        },
+        "tokens": {"models": {MODEL: {"tokenizer": str(tokenizer)}}},
+        "policy": policy,
+        "policies": settings.policy_options,
+        "log_level": "warning",
+    }
+
+
+class ScorerRun:
+    """`kv-scorer serve` + Envoy for one policy; a context manager that stops both."""
+
+    def __init__(self, group: ProcGroup, fleet: SimFleet, policy: str, settings: E2ESettings):
+        self.group = group
+        self.fleet = fleet
+        self.policy = policy
+        self.settings = settings
+        self.scorer: Proc | None = None
+        self.envoy: Any = None
+        self.url = ""
+        self.admin_url = ""
+
+    def __enter__(self) -> ScorerRun:
+        from scorer.envoyproc import EnvoyProcess, render_envoy_config
+
+        d = self.settings.run_dir
+        tok = write_stub_tokenizer(d / "tokenizer" / "tokenizer.json")
+        cfg_path = d / f"scorer-{self.policy}.yaml"
+        cfg = scorer_config(self.fleet, self.policy, self.settings, tok)
+        cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        try:
+            self.scorer = self.group.start(
+                f"scorer-{self.policy}", kv_scorer_argv("serve", "--config", str(cfg_path))
+            )
+            log = self.scorer.log
+            ports = wait_until(lambda: scorer_ports(log), 60.0, "the scorer", self.scorer)
+            extproc, _, admin = ports
+            self.admin_url = f"http://127.0.0.1:{admin}"
+            self.envoy = EnvoyProcess(render_envoy_config(0, extproc, 0)).start()
+            self.url = f"http://127.0.0.1:{self.envoy.listener_port}/v1/completions"
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.envoy is not None:
+            with contextlib.suppress(Exception):
+                self.envoy.stop()
+            self.envoy = None
+        if self.scorer is not None:
+            self.group.stop(self.scorer)
+            self.scorer = None
+
+    def decision_reasons(self) -> dict[str, int]:
+        """Reasons of the decisions the scorer still remembers (/debug/decisions)."""
+        status, body = http_get(self.admin_url + "/debug/decisions?limit=100000", 5.0)
+        if status != 200:
+            return {}
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return {}
+        items = doc.get("decisions", doc) if isinstance(doc, dict) else doc
+        out: dict[str, int] = {}
+        for d in items if isinstance(items, list) else []:
+            if isinstance(d, dict):
+                r = str(d.get("reason"))
+                out[r] = out.get(r, 0) + 1
+        return dict(sorted(out.items()))
+
+
+def progress_printer(name: str) -> Callable[[int, int], None]:
+    """A one-line progress display (no tqdm dependency): `kv  [#####-----] 40/100`."""
+    last = [-1.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done != total and now - last[0] < 0.25:
+            return
+        last[0] = now
+        width = 30
+        fill = int(width * done / max(total, 1))
+        bar = "#" * fill + "-" * (width - fill)
+        end = "\n" if done == total else ""
+        print(f"\r  {name:<22} [{bar}] {done}/{total}", end=end, flush=True)
+
+    return show
+
+
+def run_load(url: str, wl: Workload, settings: E2ESettings, name: str) -> LoadResult:
+    """Run the load generator to completion (its own event loop)."""
+    prog = progress_printer(name) if settings.progress else None
+    return asyncio.run(
+        generate_load(url, wl.requests, settings.concurrency, settings.request_timeout_s, prog)
+    )
+
+
+def run_ours(
+    group: ProcGroup, fleet: SimFleet, wl: Workload, policy: str, settings: E2ESettings
+) -> dict[str, Any]:
+    """One of our policies through Envoy + the scorer."""
+    fleet.reset()
+    with ScorerRun(group, fleet, policy, settings) as run:
+        before = fleet.counters()
+        res = run_load(run.url, wl, settings, policy)
+        after = fleet.counters()
+        out = summarize(res, before, after, settings.speed, len(wl))
+        reasons = run.decision_reasons()
+        if reasons:
+            out["reasons"] = reasons
+    return out
+
+
+def run_e2e(
+    wl: Workload, policies: Sequence[str], settings: E2ESettings, log: Log = print
+) -> dict[str, dict[str, Any]]:
+    """Every policy (ours and peers) on the same fleet; peers that fail get {"error"}."""
+    from scorer.bench import peers
+
+    group = ProcGroup(settings.run_dir / "logs")
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        fleet = SimFleet(group, settings)
+        fleet.start()
+        log(f"{len(fleet.specs)} simulated workers up")
+        for name in policies:
+            t = time.perf_counter()
+            try:
+                if name in peers.PEERS:
+                    results[name] = peers.run_peer(name, group, fleet, wl, settings)
+                else:
+                    results[name] = run_ours(group, fleet, wl, name, settings)
+            except (ProcError, peers.PeerError, OSError) as e:
+                results[name] = {"error": str(e)[:2000]}
+            r = results[name]
+            if "error" in r:
+                log(f"  {name}: error: {str(r['error']).splitlines()[0][:200]}")
+            else:
+                log(
+                    f"  {name}: hit {r['hit_rate']:.3f}  p50 {r['ttft_p50_ms']:.0f} ms  "
+                    f"p99 {r['ttft_p99_ms']:.0f} ms  errors {r['errors']}  "
+                    f"({time.perf_counter() - t:.0f}s)"
+                )
+    finally:
+        group.stop_all()
+    return results

@@ -1,0 +1,210 @@
+"""Child processes for the demo and the end-to-end benchmark: start, wait ready, stop all.
+
+Every process is started in its own session with output to a log file under the run
+directory, and `ProcGroup.stop_all()` (SIGTERM, then SIGKILL after a grace period) ends
+exactly the processes this group started — by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class ProcError(RuntimeError):
+    """A child process did not start or exited early (the message has its log tail)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS reports free right now (bind to 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """(status, body) of a GET; status 0 when the server is not reachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, ""
+
+
+def http_post(url: str, body: bytes = b"", timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body) of a POST; status 0 when the server is not reachable."""
+    req = urllib.request.Request(url, data=body, method="POST")
+    req.add_header("content-type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return int(r.status), r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, ""
+
+
+def metric_sums(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum of every sample of each named metric (counters by family name, any labels)."""
+    want = set(names)
+    out = dict.fromkeys(names, 0.0)
+    for fam in text_string_to_metric_families(text):
+        if fam.name not in want:
+            continue
+        for s in fam.samples:
+            # A counter family `x` has samples `x_total` (and `x_created`, skipped).
+            if s.name.endswith("_created"):
+                continue
+            out[fam.name] += float(s.value)
+    return out
+
+
+class Proc:
+    """One child process with its log file."""
+
+    def __init__(self, name: str, popen: subprocess.Popen[bytes], log: Path) -> None:
+        self.name = name
+        self.popen = popen
+        self.log = log
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+class ProcGroup:
+    """The processes one run started; `stop_all` ends them (also from `finally`)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+        self._files: list[IO[bytes]] = []
+
+    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        """Start `argv` with stdout+stderr to LOG_DIR/NAME.log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        f = log.open("wb")
+        self._files.append(f)
+        full_env = dict(os.environ)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        popen = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            # Own session: a Ctrl-C in the terminal reaches only us; we stop the children.
+            start_new_session=True,
+        )
+        p = Proc(name, popen, log)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: Proc, grace_s: float = 5.0) -> None:
+        """SIGTERM, wait up to `grace_s`, then SIGKILL (this pid only)."""
+        if p.alive():
+            with contextlib.suppress(ProcessLookupError):
+                p.popen.send_signal(signal.SIGTERM)
+            try:
+                p.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(5.0)
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        """Stop every process of the group, newest first; close the log files."""
+        for p in list(self.procs):
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in reversed(list(self.procs)):
+            left = max(deadline - time.monotonic(), 0.05)
+            try:
+                p.popen.wait(left)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.popen.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(5.0)
+        self.procs.clear()
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                f.close()
+        self._files.clear()
+
+
+def wait_until(
+    check: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    proc: Proc | None = None,
+    interval_s: float = 0.05,
+) -> Any:
+    """Poll `check()` until it returns something truthy; ProcError on timeout or exit."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if proc is not None and not proc.alive():
+            raise ProcError(
+                f"{proc.name} exited with {proc.popen.returncode} before {what}:\n"
+                + proc.log_tail()
+            )
+        if time.monotonic() > deadline:
+            tail = ("\n" + proc.log_tail()) if proc is not None else ""
+            raise ProcError(f"timed out after {timeout_s:.0f}s waiting for {what}{tail}")
+        time.sleep(interval_s)
+
+
+_SERVING = re.compile(r"kv-scorer serving ext_proc=\S+:(\d+) health=\S+:(\d+) admin=\S+:(\d+)")
+
+
+def scorer_ports(log: Path) -> tuple[int, int, int] | None:
+    """(ext_proc, health, admin) ports from `kv-scorer serve`'s start-up log line."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return None
+    m = _SERVING.search(text)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3))
+
+
+def kv_scorer_argv(*args: str) -> list[str]:
+    """`kv-scorer ARGS` run with this interpreter (works from a venv without PATH)."""
+    return [sys.executable, "-m", "scorer.cli", *args]
