@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
-from scorer.blocks import BlockHasher, engine_key, namespace_key
+from scorer.blocks import MASK60, BlockHasher, engine_key, namespace_key
 from scorer.events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scorer.index import BlockIndex
 
@@ -80,6 +80,21 @@ def _extras(item: object, lora_name: str | None) -> list[Any]:
         return []
     seq = item if isinstance(item, list | tuple) else [item]
     return [x for x in seq if x != lora_name]
+
+
+def _engine_keys(hashes: list[Any]) -> list[int]:
+    """`engine_key` of every hash; ints (the common case) in one comprehension."""
+    if hashes and type(hashes[0]) is int:
+        try:
+            return [h & MASK60 for h in hashes]
+        except TypeError:
+            pass  # a mixed list: take the general path (raises on a bad item)
+    out = []
+    for h in hashes:
+        if isinstance(h, bool) or not isinstance(h, int | bytes):
+            raise TypeError(f"block hash of type {type(h).__name__}")
+        out.append(engine_key(h))
+    return out
 
 
 class Applier:
@@ -157,7 +172,12 @@ class Applier:
             st.bad_tokens += 1
             _APPLIED["BlockStored", "bad_tokens"].inc()
             return
-        ekeys = [engine_key(h) for h in ev.block_hashes[:n]]
+        try:
+            ekeys = _engine_keys(ev.block_hashes[:n])
+        except (TypeError, ValueError):
+            st.bad_tokens += 1
+            _APPLIED["BlockStored", "bad_tokens"].inc()
+            return
         self.index.add(ep, rank, ekeys, keys, ev.medium)
         st.stored += n
         _APPLIED["BlockStored", "ok"].inc()
@@ -190,9 +210,13 @@ class Applier:
             st.other_group += 1
             _APPLIED["BlockRemoved", "other_group"].inc()
             return
-        removed, unknown = self.index.remove(
-            ep, rank, [engine_key(h) for h in ev.block_hashes], ev.medium
-        )
+        try:
+            ekeys = _engine_keys(ev.block_hashes)
+        except (TypeError, ValueError):
+            st.unknown_hash += len(ev.block_hashes)
+            _APPLIED["BlockRemoved", "unknown_hash"].inc()
+            return
+        removed, unknown = self.index.remove(ep, rank, ekeys, ev.medium)
         st.removed += removed
         _BLOCKS["BlockRemoved"].inc(len(ev.block_hashes))
         if unknown:

@@ -93,6 +93,7 @@ class BlockIndex:
         self._spec_seq = itertools.count()
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._by_bit: list[_Slot] = []
+        self._bit_obj: list[int] = []  # one shared int object per slot bit
         self._ep_mask: dict[str, int] = {}
         self._all_mask = 0
         self.max_blocks = self.config.max_blocks_per_worker
@@ -108,6 +109,7 @@ class BlockIndex:
             s = _Slot(endpoint, rank or 0, bit)
             self._slots[key] = s
             self._by_bit.append(s)
+            self._bit_obj.append(1 << bit)
             self._ep_mask[endpoint] = self._ep_mask.get(endpoint, 0) | (1 << bit)
             self._all_mask |= 1 << bit
         return s
@@ -135,15 +137,21 @@ class BlockIndex:
         s = self._slot(endpoint, rank)
         d = self._media.get(medium, self._gpu)
         medium = medium if medium in self._media else "GPU"
-        bit = 1 << s.bit
+        bit = self._bit_obj[s.bit]
         emap = s.emap
-        new = 0
-        for ek, k in zip(ekeys, keys, strict=False):
-            m = d.get(k, 0)
-            if not m & bit:
-                d[k] = m | bit
-                new += 1
-            emap[ek] = k
+        emap.update(zip(ekeys, keys, strict=False))
+        if not any(map(d.__contains__, keys)):
+            # A fresh chain (the common case): C-level insert. Every single-holder entry
+            # shares the slot's one bit object, so a mask costs no memory of its own.
+            d.update(zip(keys, itertools.repeat(bit)))
+            new = len(keys)
+        else:
+            new = 0
+            for k in keys:
+                m = d.get(k, 0)
+                if not m & bit:
+                    d[k] = m | bit
+                    new += 1
         if new:
             s.counts[medium] += new
             INDEX_ENTRIES.labels(medium).inc(new)
