@@ -310,6 +310,15 @@ class CacheAwarePolicy(Policy):
             reason = Reason.LOAD
         if stale_any and reason is not Reason.STALE_EVENTS:
             notes.append(str(Reason.STALE_EVENTS))
+        if not all_busy:
+            # A busy worker held more of the prompt than the winner: say the request spilled.
+            spilled = max(
+                (c for c in scores if c.filtered is not None),
+                key=lambda c: c.matched_blocks,
+                default=None,
+            )
+            if spilled is not None and spilled.matched_blocks > win.matched_blocks:
+                notes.append(f"spilled:{spilled.filtered}")
 
         self.after_decision(win.endpoint, keys, win.matched_blocks)
         d = Decision(

@@ -67,7 +67,7 @@ SCRAPE_FAILURES = Gauge(
     ["endpoint"],
 )
 BLOCK_SIZE_MISMATCH = Gauge(
-    "kv_scorer_block_size_mismatch",
+    "kv_scorer_worker_block_size_mismatch",
     "1 when the engine's vllm:cache_config_info block_size differs from pool.block_size.",
     ["endpoint"],
 )

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from kvpolicy_helpers import endpoint, hold, keys, make, request
 
+from scorer.events.subscriber import StreamStatus as Status
 from scorer.policy.session import SessionPolicy, rendezvous
 from scorer.routing import Reason
 
@@ -131,16 +131,6 @@ def test_approx_learns_from_decisions_and_expires_after_ttl() -> None:
 
 
 # ---- event-stream health --------------------------------------------------------------
-
-
-@dataclass
-class Status:
-    """The fields of scorer.events StreamStatus the policy reads."""
-
-    connected: bool = True
-    last_event_at: float | None = None
-    unrecovered_gap: bool = False
-    purges: int = 0
 
 
 class Events:

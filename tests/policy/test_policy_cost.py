@@ -133,6 +133,7 @@ def test_busy_filter_removes_worker_over_waiting_threshold() -> None:
     c = by_ep(d)
     assert c[endpoint(0)].filtered == "busy_waiting" and c[endpoint(0)].cost is None
     assert d.endpoint == endpoint(1) and d.reason is Reason.LOAD
+    assert d.notes == ["spilled:busy_waiting"]  # the warm worker was skipped: say so
 
 
 def test_busy_filter_kv_usage_and_inflight() -> None:

@@ -270,7 +270,7 @@ async def test_block_size_mismatch_is_reported_once(
             for _ in range(3):
                 assert await scraper.scrape(w)
         assert w.scraped.block_size == 32 and w.scraped.block_size_mismatch
-        assert gauge("kv_scorer_block_size_mismatch", w.endpoint) == 1
+        assert gauge("kv_scorer_worker_block_size_mismatch", w.endpoint) == 1
         assert sum("block_size=32" in r.getMessage() for r in caplog.records) == 1
         assert scraper.view()[0]["scrape"]["block_size_mismatch"] is True
     finally:
