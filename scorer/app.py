@@ -63,8 +63,37 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
         components += [events, tokens]
         services.update(hasher=hasher, index=index, events=events, tokens=tokens)
     """
-    components: list[Any] = []
-    services: dict[str, Any] = {}
+    # Imported here so that `kv-scorer serve --policy round_robin` on a pool without KV
+    # parts still starts quickly; every part is cheap to build when unused.
+    from scorer.blocks import BlockHasher
+    from scorer.events.ingest import EventIngest
+    from scorer.index import BlockIndex
+    from scorer.pool.scrape import LoadScraper
+    from scorer.tokens.service import NoTokenizer, Tokenization
+
+    hasher = BlockHasher(config.pool.block_size, config.index.hash)
+    index = BlockIndex(config.index)
+    tokens = Tokenization(config, hasher)
+
+    def debug_tokenize(model: str | None, body: dict[str, Any]) -> list[int] | None:
+        # /debug/score with "prompt"/"messages": the same tokens the data path would use.
+        try:
+            return tokens.tokenize_body(model, body).token_ids
+        except NoTokenizer:
+            return None
+
+    events = EventIngest(config, pool, index, hasher, tokenize=debug_tokenize)
+    scraper = LoadScraper(config, pool)
+    components: list[Any] = [tokens, scraper]
+    if config.events.enabled:
+        components.append(events)
+    services: dict[str, Any] = {
+        "hasher": hasher,
+        "index": index,
+        "events": events,
+        "tokens": tokens,
+        "scrape": scraper,
+    }
     return components, services
 
 
