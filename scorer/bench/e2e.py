@@ -181,22 +181,23 @@ class SimSpec:
     port: int
     events_port: int
     replay_port: int
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def events(self) -> str:
-        return f"tcp://127.0.0.1:{self.events_port}"
+        return f"tcp://{self.host}:{self.events_port}"
 
     @property
     def replay(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
+        return f"tcp://{self.host}:{self.replay_port}"
 
 
 class SimFleet:
