@@ -33,7 +33,7 @@ from scorer.bench.e2e import (
     run_ours,
     summarize,
 )
-from scorer.bench.procs import ProcError, ProcGroup
+from scorer.bench.procs import ProcError, ProcGroup, http_get, wait_until
 from scorer.bench.workloads import Workload, load_workload, oracle_block_hit_rate
 
 POLICIES = ("kv", "approx", "round_robin")
@@ -247,6 +247,9 @@ def _run_external(args: argparse.Namespace, sp: Workload, settings: E2ESettings)
         if not host or not port.isdigit():
             raise ProcError(f"--worker-url {u!r}: expected http://HOST:PORT")
         fleet.specs.append(SimSpec(int(port), 0, 0, host=host))
+    # Compose starts everything at once: wait until the gateway routes (GET /v1/models).
+    models = args.target.split("/v1/", 1)[0] + "/v1/models"
+    wait_until(lambda: http_get(models, 2.0)[0] == 200, 120.0, f"the gateway ({models})")
     before = fleet.counters()
     res = asyncio.run(
         generate_load(
