@@ -33,6 +33,7 @@ from typing import Any, Literal
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ContentFormat = Literal["string", "openai"]
@@ -131,8 +132,52 @@ class _Namespace(jinja2.utils.Namespace):
             )
 
 
+_DICT_ATTRS = frozenset(dir(dict))
+_STR_WRAPPED = frozenset({"format", "format_map"})  # the sandbox wraps these two
+_LOOP_ATTRS = frozenset(
+    {"index", "index0", "first", "last", "length", "revindex", "revindex0", "depth", "depth0"}
+)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with fast paths for the two lookups templates do most.
+
+    `message.content` on a plain dict and `text.startswith(...)` on a str take the
+    sandbox's generic path (an AttributeError, then safety checks) ~500 times per
+    render of a long conversation. The shortcuts return exactly what that path returns:
+    a dict key that is not a dict attribute, or a public str method other than the
+    format methods (str is immutable, its methods return plain data). Everything else
+    goes through the full sandbox.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        t = type(obj)
+        if t is dict:
+            if attribute not in _DICT_ATTRS and attribute in obj:
+                return obj[attribute]
+        elif (
+            t is str
+            and isinstance(attribute, str)
+            and not attribute.startswith("_")
+            and attribute not in _STR_WRAPPED
+        ):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                pass
+        elif (t is jinja2.runtime.LoopContext and attribute in _LOOP_ATTRS) or (
+            t is _Namespace and isinstance(attribute, str) and not attribute.startswith("_")
+        ):
+            # `loop.index0` / `ns.flag`: read-only properties and stored template data.
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                pass
+        return super().getattr(obj, attribute)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],

@@ -40,6 +40,9 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 _space_ids = itertools.count(1)
+# Below this many new characters a request's missing segments are encoded one by one in the
+# calling thread; above, as one parallel batch (see `LocalTokenizer.encode_bytes`).
+PARALLEL_MIN_CHARS = 32_768
 
 
 class TokenizerLoadError(Exception):
@@ -181,7 +184,14 @@ class LocalTokenizer:
                     got[t] = v
             if missing:
                 uniq = list(dict.fromkeys(missing))
-                encs = self.tokenizer.encode_batch_fast(uniq, add_special_tokens=False)
+                batch = self.tokenizer.encode_batch_fast
+                if sum(map(len, uniq)) < PARALLEL_MIN_CHARS:
+                    # A new turn: encode in this thread. Fanning a few small pieces out to
+                    # tokenizers' rayon pool costs more in wake-ups than it saves.
+                    encs = [batch([t], add_special_tokens=False)[0] for t in uniq]
+                else:
+                    # A cold, long prompt: one batch, encoded in parallel by tokenizers.
+                    encs = batch(uniq, add_special_tokens=False)
                 new = [(t, ids_to_bytes(e.ids)) for t, e in zip(uniq, encs, strict=True)]
                 cache.store(self.space, new)
                 got.update(new)

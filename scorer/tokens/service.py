@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import Counter, Histogram
 
 from scorer.blocks import BlockHasher, namespace_key
@@ -93,7 +94,8 @@ class Tokenization:
     `await prepare(request)` fills `token_ids`, `block_keys`, `block_size`, `prompt_tokens`
     (or `tokenize_error`), running the work in the pool. `tokenize_body(model, body)` is the
     same work, synchronously (for `/debug/score` and `kv-scorer tokens`). `stop()` shuts the
-    pool down and releases the cache.
+    pool down and releases the cache. As an app component it also serves
+    `POST /debug/tokenize[?model=M]` on the admin port.
     """
 
     def __init__(self, config: Config, hasher: BlockHasher) -> None:
@@ -149,6 +151,38 @@ class Tokenization:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self.cache.clear()
+
+    def routes(self) -> list[tuple[str, str, Any]]:
+        """Admin HTTP: `POST /debug/tokenize` (a request body → tokens, keys, namespace)."""
+        return [("POST", "/debug/tokenize", self._debug_tokenize)]
+
+    async def _debug_tokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "the body is not JSON"}, status=400)
+        model = request.query.get("model")
+        loop = asyncio.get_running_loop()
+        try:
+            tp = await loop.run_in_executor(self._executor(), self.tokenize_body, model, body)
+        except NoTokenizer as e:
+            return web.json_response({"error": str(e)}, status=404)
+        except TokenizeError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response(
+            {
+                "model": tp.model,
+                "lora": tp.lora,
+                "cache_salt": tp.cache_salt,
+                "kind": tp.kind,
+                "prompt_tokens": len(tp.token_ids),
+                "token_ids": tp.token_ids,
+                "block_size": tp.block_size,
+                "namespace": tp.namespace,
+                "block_keys": [str(k) for k in tp.block_keys],  # uint64: JSON-safe as text
+                "stats": tp.stats,
+            }
+        )
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:

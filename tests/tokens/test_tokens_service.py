@@ -269,3 +269,36 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
     )
     assert t.render("m", {"messages": [{"role": "user", "content": "x"}]}) == "<user>x"
     t.close()
+
+
+async def test_debug_tokenize_route_over_real_http(tokens: Tokenization) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    app = web.Application()
+    for method, path, handler in tokens.routes():
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}/debug/tokenize"
+        body = {"model": "qwen3", "prompt": "hello world " * 10, "cache_salt": "t1"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json=body) as r:
+                assert r.status == 200
+                got = await r.json()
+            want = tokens.tokenize_body("qwen3", body)
+            assert got["token_ids"] == want.token_ids
+            assert [int(k) for k in got["block_keys"]] == want.block_keys
+            assert got["namespace"] == namespace_key(cache_salt="t1")
+            async with http.post(url + "?model=nope", json=body) as r:
+                assert r.status == 404
+            async with http.post(url, json={"model": "qwen3", "messages": 3}) as r:
+                assert r.status == 400 and "messages" in (await r.json())["error"]
+            async with http.post(url, data=b"{not json") as r:
+                assert r.status == 400
+    finally:
+        await runner.cleanup()
