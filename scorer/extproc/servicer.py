@@ -64,6 +64,19 @@ SERVED_MOVED = Counter(
 )
 
 _OUTCOME_BY_STATUS = {400: "bad_request", 413: "too_large", 429: "shed", 503: "no_endpoint"}
+_OUTCOMES = ("routed", "bad_request", "too_large", "no_endpoint", "shed", "refused", "error")
+# Labelled children resolved once: labels() costs a lock and a dict lookup per call.
+_STREAM_COUNTERS = {o: STREAMS.labels(o) for o in (*_OUTCOMES, "cancelled", "empty")}
+_decision_counters: dict[tuple[str, str], Any] = {}
+
+
+def count_decision(d: Decision) -> None:
+    """kv_scorer_decisions_total{policy, reason} += 1 (children cached)."""
+    key = (d.policy, str(d.reason))
+    c = _decision_counters.get(key)
+    if c is None:
+        c = _decision_counters[key] = DECISIONS.labels(*key)
+    c.inc()
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -95,7 +108,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> None:
         if self.draining:
-            STREAMS.labels("refused").inc()
+            _STREAM_COUNTERS["refused"].inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-scorer is shutting down")
         ACTIVE.inc()
         rid: str | None = None
@@ -114,7 +127,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             raise
         finally:
             ACTIVE.dec()
-            STREAMS.labels(outcome).inc()
+            _STREAM_COUNTERS[outcome].inc()
             if rid is not None:
                 self.inflight.finished(rid)
 
@@ -224,7 +237,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             d.notes.append(f"param={e.param}")
             d.request_id = req.request_id
             self.router.decisions.add(d)
-            DECISIONS.labels(d.policy, d.reason).inc()
+            count_decision(d)
             return d
         model: str = doc["model"]
         req.model = model
@@ -248,7 +261,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.router.decisions.add(d)
         else:
             d = await self.router.route(req)
-        DECISIONS.labels(d.policy, d.reason).inc()
+        count_decision(d)
         return d
 
     def route_bodyless(self, req: RoutingRequest) -> Decision:
@@ -269,7 +282,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         d.request_id = req.request_id
         d.stages["total"] = time.perf_counter() - t0
         self.router.decisions.add(d)
-        DECISIONS.labels(d.policy, d.reason).inc()
+        count_decision(d)
         return d
 
     def _routed(self, req: RoutingRequest, d: Decision) -> tuple[str | None, str]:
