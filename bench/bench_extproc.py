@@ -10,8 +10,8 @@ interleaved in rounds so machine noise hits both. The scorer runs twice: with
 `extproc.track_responses` on (stream kept open to the end of the response) and off
 (stream closed right after the routing answer).
 
-Cells: body 2 KB / 32 KB × concurrency 1 / 16. Reports p50/p99 latency of each path, the
-added p50/p99 (main − direct), requests/s, and scorer CPU µs per request (utime+stime
+Cells: body 2 KB / 32 KB x concurrency 1 / 16. Reports p50/p99 latency of each path, the
+added p50/p99 (main - direct), requests/s, and scorer CPU µs per request (utime+stime
 from /proc/PID/stat over the main-path requests). Writes bench/out/extproc.json.
 """
 
