@@ -3,30 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest_asyncio
-from e2e_helpers import SUBSET_FILTER, Backend, start_backend
+from e2e_helpers import SUBSET_FILTER, Backend, scorer_config, start_backend
 
 from scorer.app import App
-from scorer.config import load_config
 from scorer.envoyproc import EnvoyProcess, render_envoy_config
-
-
-def scorer_config(workers: list[str], **over: Any) -> Any:
-    data: dict[str, Any] = {
-        "server": {
-            "host": "127.0.0.1",
-            "extproc_port": 0,
-            "health_port": 0,
-            "admin_port": 0,
-            "grace_period_s": 0.5,
-        },
-        "pool": {"workers": workers},
-        "policy": "round_robin",
-    }
-    data.update(over)
-    return load_config(overrides=data, environ={})
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

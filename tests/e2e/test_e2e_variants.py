@@ -8,8 +8,7 @@ import json
 
 import aiohttp
 import pytest
-from conftest import scorer_config
-from e2e_helpers import Backend, closed_port
+from e2e_helpers import Backend, closed_port, scorer_config
 
 from scorer.app import App
 from scorer.envoyproc import EnvoyProcess, render_envoy_config
