@@ -112,14 +112,21 @@ def conversation(target_tokens: int, seed: int = 1) -> list[dict[str, Any]]:
     return msgs
 
 
+CPU: list[float] = []  # thread CPU seconds of the last _time() call, per repetition
+
+
 def _time(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = None) -> list[float]:
+    """Wall seconds per call (and the calling thread's CPU seconds in CPU)."""
     out = []
+    CPU.clear()
     for _ in range(reps):
         if setup is not None:
             setup()
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+        CPU.append(time.thread_time() - c0)
     return out
 
 
@@ -160,9 +167,11 @@ def main() -> None:
                 tokens.tokenize_body("qwen3", p)
 
             warm = _time(lambda b=body: tokens.tokenize_body("qwen3", b), reps * 3, see_prev)
+            warm_cpu = list(CPU)
             tp = tokens.tokenize_body("qwen3", body)
             see_prev()
             new_chars = tokens.tokenize_body("qwen3", body).stats["encoded_chars"]
+            new_tokens = n - len(tok.encode(tokens.render("qwen3", prev), add_special_tokens=False))
             repeat = _time(lambda b=body: tokens.tokenize_body("qwen3", b), reps * 3)
             render = _time(lambda b=body: tokens.render("qwen3", b), reps * 3)
             assert tp.token_ids == list(tok.encode(text, add_special_tokens=False).ids)
@@ -179,6 +188,8 @@ def main() -> None:
                 "cold_over_raw": _p(cold, 0.5) / _p(raw, 0.5),
                 "warm_ms_p50": _p(warm, 0.5) * 1e3,
                 "warm_ms_p90": _p(warm, 0.9) * 1e3,
+                "warm_cpu_ms_p50": _p(warm_cpu, 0.5) * 1e3,
+                "new_turn_tokens": new_tokens,
                 "repeat_ms_p50": _p(repeat, 0.5) * 1e3,
                 "render_ms_p50": _p(render, 0.5) * 1e3,
                 "reps": reps,
@@ -196,6 +207,7 @@ def main() -> None:
         ("cold/raw", "cold_over_raw", "{:.2f}"),
         ("warm p50", "warm_ms_p50", "{:.3f}"),
         ("warm p90", "warm_ms_p90", "{:.3f}"),
+        ("warm cpu p50", "warm_cpu_ms_p50", "{:.3f}"),
         ("repeat p50", "repeat_ms_p50", "{:.3f}"),
         ("render p50", "render_ms_p50", "{:.3f}"),
     ]
@@ -203,7 +215,11 @@ def main() -> None:
     print(" | ".join(f"{h:>{max(len(h), 7)}}" for h, _, _ in cols))
     for r in results:
         print(" | ".join(f"{f.format(r[k]):>{max(len(h), 7)}}" for h, k, f in cols))
-    print(f"warm = previous turn seen; the new turn is ~{results[0]['new_turn_chars']} chars")
+    print(
+        "warm = the previous request of the conversation was seen; its new turn "
+        f"(assistant reply + user message) is {results[0]['new_turn_chars']} chars, "
+        f"~{results[0]['new_turn_tokens']} tokens. cpu = the calling thread's CPU time."
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"bench": "tokens", "results": results}, indent=2))
     print(f"wrote {args.out}")

@@ -15,6 +15,8 @@ Chat (`messages`): rendered like vLLM (see scorer.tokens.chat), then tokenized w
 `add_special_tokens=False` (vLLM's default for chat). A body's own `add_special_tokens`
 field overrides either default, as in vLLM.
 
+`truncate_prompt_tokens: k` (vLLM) keeps the last k tokens, as the engine does.
+
 The block namespace folds the LoRA adapter (the request's `model` when it names an
 adapter of `tokens.lora_base`, or `RoutingRequest.lora`) and vLLM's `cache_salt`.
 """
@@ -251,6 +253,15 @@ class Tokenization:
             )
         else:
             raise TokenizeError("the body has neither 'messages' nor 'prompt'")
+        trunc = body.get("truncate_prompt_tokens")
+        if trunc is not None:
+            # vLLM keeps the LAST k tokens (left truncation); -1 means "the model's maximum
+            # length", which we do not know: leave the prompt whole then.
+            if not isinstance(trunc, int) or isinstance(trunc, bool) or trunc < -1:
+                raise TokenizeError("truncate_prompt_tokens must be an integer >= -1")
+            if trunc > 0 and len(buf) > 4 * trunc:
+                buf = buf[len(buf) - 4 * trunc :]
+                stats["truncated_to"] = trunc
         keys = self.hasher.keys_from_bytes(buf, ns)
         return TokenizedPrompt(
             token_ids=bytes_to_ids(buf),

@@ -302,3 +302,14 @@ async def test_debug_tokenize_route_over_real_http(tokens: Tokenization) -> None
                 assert r.status == 400
     finally:
         await runner.cleanup()
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(tokens: Tokenization) -> None:
+    body = {"prompt": "one two three four five six seven eight nine ten"}
+    full = tokens.tokenize_body("qwen3", body).token_ids
+    cut = tokens.tokenize_body("qwen3", {**body, "truncate_prompt_tokens": 4})
+    assert cut.token_ids == full[-4:] and cut.stats["truncated_to"] == 4
+    same = tokens.tokenize_body("qwen3", {**body, "truncate_prompt_tokens": -1}).token_ids
+    assert same == full
+    with pytest.raises(TokenizeError, match="truncate_prompt_tokens"):
+        tokens.tokenize_body("qwen3", {**body, "truncate_prompt_tokens": "x"})
