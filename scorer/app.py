@@ -197,6 +197,11 @@ class App:
         if s.drain_delay_s > 0:
             await asyncio.sleep(s.drain_delay_s)
         self.extproc.draining = True
+        # Streams only waiting for their response's end are closed with OK now; streams
+        # still in their request phase get the grace period to be answered.
+        released = self.extproc.release_streams()
+        if released:
+            log.warning("released %d streams waiting for their response to end", released)
         if self.extproc_server is not None:
             await self.extproc_server.stop(s.grace_period_s)
             self.extproc_server = None

@@ -23,6 +23,7 @@ large, 503 no eligible endpoint, 429 shed.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -94,6 +95,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.block_size = config.pool.block_size
         self.lora_names = frozenset(config.tokens.lora_base)
         self.draining = False
+        # Handler tasks waiting in the response phase; release_streams() ends them cleanly.
+        self._following: set[asyncio.Task[Any]] = set()
+        self._releasing = False
         self._ids = itertools.count(1)
         # Prebuilt constant responses (no per-request allocation for the common answers).
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
@@ -327,6 +331,34 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
     ) -> None:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange)."""
+        task = asyncio.current_task()
+        if task is None or self._releasing:
+            return
+        self._following.add(task)
+        try:
+            await self._follow(rid, context)
+        except asyncio.CancelledError:
+            if not self._releasing:
+                raise
+            # Shutdown: end the stream with OK. Envoy then finishes the HTTP exchange
+            # without us (a reset stream would make it abort a streaming response).
+        finally:
+            self._following.discard(task)
+
+    def release_streams(self) -> int:
+        """Shutdown: close every stream that only waits for its response to end, with OK
+        status, so long generations survive the scorer's exit. Returns how many."""
+        self._releasing = True
+        n = len(self._following)
+        for t in list(self._following):
+            t.cancel()
+        return n
+
+    async def _follow(
+        self,
+        rid: str,
+        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
+    ) -> None:
         while True:
             m = await context.read()
             if m is _EOF:

@@ -119,3 +119,23 @@ async def test_fail_open_default_is_overwritten_by_the_scorer(
             assert status == 200
             seen.add(json.loads(text)["backend"])
         assert seen == {"b0", "b1", "b2"}
+
+
+async def test_streaming_response_survives_scorer_shutdown(backends: list[Backend]) -> None:
+    app = App(scorer_config([backends[0].endpoint]))
+    await app.start()
+    stopped = False
+    try:
+        async with EnvoyProcess(render_envoy_config(0, app.extproc_port, 0)) as e:
+            url = f"http://127.0.0.1:{e.listener_port}/sse"
+            async with aiohttp.ClientSession() as s, s.post(url, data=BODY) as r:
+                assert (await asyncio.wait_for(r.content.readline(), 5)).startswith(b"data:")
+                app.config.server.grace_period_s = 0.2
+                await app.stop()
+                stopped = True
+                backends[0].release.set()
+                rest = await asyncio.wait_for(r.read(), 5)
+            assert b"[DONE]" in rest
+    finally:
+        if not stopped:
+            await app.stop()

@@ -63,13 +63,18 @@ async def test_sigterm_drains_then_exits_zero() -> None:
         ):
             health = health_pb2_grpc.HealthStub(hch)
             assert await status(health, "readiness") == "SERVING"
-            # An in-flight request: routed, waiting for its response.
-            call = ep_grpc.ExternalProcessorStub(xch).Process()
-            for msg in request_msgs():
-                await call.write(msg)
-            first = await asyncio.wait_for(call.read(), 5)
+            stub = ep_grpc.ExternalProcessorStub(xch)
+            # A: still in its request phase (headers sent, body not yet).
+            a = stub.Process()
+            head, body = request_msgs()
+            await a.write(head)
+            # B: routed, waiting for the end of its response.
+            b = stub.Process()
+            await b.write(head)
+            await b.write(body)
+            first = await asyncio.wait_for(b.read(), 5)
             assert first.WhichOneof("response") == "request_headers"
-            await asyncio.wait_for(call.read(), 5)
+            await asyncio.wait_for(b.read(), 5)
 
             proc.send_signal(signal.SIGTERM)
             for _ in range(100):  # readiness goes down first
@@ -84,10 +89,10 @@ async def test_sigterm_drains_then_exits_zero() -> None:
             # After the drain delay, new streams are refused.
             refused = False
             for _ in range(100):
-                c2 = ep_grpc.ExternalProcessorStub(xch).Process()
+                c2 = stub.Process()
                 try:
-                    for msg in request_msgs():
-                        await c2.write(msg)
+                    await c2.write(head)
+                    await c2.write(body)
                     await asyncio.wait_for(c2.read(), 2)
                     c2.cancel()
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
@@ -98,17 +103,17 @@ async def test_sigterm_drains_then_exits_zero() -> None:
                 await asyncio.sleep(0.05)
             assert refused
 
-            # The in-flight stream still completes normally.
-            rh = ep.ProcessingRequest()
-            rh.response_headers.headers.headers.append(
-                base_pb2.HeaderValue(key=":status", raw_value=b"200")
-            )
-            await call.write(rh)
-            r = await asyncio.wait_for(call.read(), 5)
-            assert r.WhichOneof("response") == "response_headers"
-            await call.done_writing()
-            assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
-            assert await call.code() == grpc.StatusCode.OK
+            # B was closed with OK (Envoy finishes its response without us).
+            assert await asyncio.wait_for(b.read(), 5) is grpc.aio.EOF
+            assert await b.code() == grpc.StatusCode.OK
+            # A still gets its routing answer within the grace period.
+            await a.write(body)
+            r = await asyncio.wait_for(a.read(), 5)
+            assert r.WhichOneof("response") == "request_headers"
+            assert await asyncio.wait_for(a.read(), 5) is not grpc.aio.EOF  # the body
+            await a.done_writing()
+            assert await asyncio.wait_for(a.read(), 5) is grpc.aio.EOF
+            assert await a.code() == grpc.StatusCode.OK
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     finally:
         if proc.returncode is None:
