@@ -70,16 +70,16 @@ def _build(args: argparse.Namespace) -> tuple[Tokenization, str | None]:
 def run(args: argparse.Namespace) -> int:
     """Entry point of `kv-scorer tokens`; exit 0 ok, 2 on bad input or configuration."""
     try:
+        body = json.loads(sys.stdin.read())
+    except json.JSONDecodeError as e:
+        print(f"kv-scorer tokens: stdin is not JSON: {e}", file=sys.stderr)
+        return 2
+    try:
         tokens, model = _build(args)
     except ConfigError as e:
         print(f"kv-scorer tokens: {e}", file=sys.stderr)
         return 2
     try:
-        try:
-            body = json.loads(sys.stdin.read())
-        except json.JSONDecodeError as e:
-            print(f"kv-scorer tokens: stdin is not JSON: {e}", file=sys.stderr)
-            return 2
         try:
             if args.text:
                 print(tokens.render(model, body), end="")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,35 @@ def load_tokenizer(
                 lt.segment_safe = False
                 break
     return lt
+
+
+_loaded: dict[tuple[object, ...], LocalTokenizer] = {}
+_loaded_lock = threading.Lock()
+
+
+def _stamp(p: Path | None) -> tuple[object, ...]:
+    if p is None:
+        return (None,)
+    st = p.stat()
+    return (str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def load_tokenizer_shared(
+    path: str | Path, chat_template_file: str | Path | None = None
+) -> LocalTokenizer:
+    """`load_tokenizer`, once per process for the same unchanged files.
+
+    Several apps (tests, `kv-scorer serve` restarts in one process) and several models on
+    one tokenizer share the loaded object: `tokenizers.Tokenizer` is safe to use from many
+    threads, and the rest of a LocalTokenizer is read-only after loading.
+    """
+    tj, cfg = resolve_tokenizer_files(path)
+    tpl = None if chat_template_file is None else Path(chat_template_file)
+    jinja = tj.parent / "chat_template.jinja"
+    key = (_stamp(tj), _stamp(cfg), _stamp(tpl), _stamp(jinja if jinja.is_file() else None))
+    with _loaded_lock:
+        lt = _loaded.get(key)
+        if lt is None:
+            lt = load_tokenizer(path, chat_template_file)
+            _loaded[key] = lt
+        return lt

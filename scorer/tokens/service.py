@@ -43,7 +43,7 @@ from scorer.tokens.registry import (
     EncodeStats,
     LocalTokenizer,
     TokenizerLoadError,
-    load_tokenizer,
+    load_tokenizer_shared,
 )
 from scorer.tokens.segments import SegmentCache, bytes_to_ids, ids_to_bytes
 
@@ -117,7 +117,7 @@ class Tokenization:
                         f"tokens.models.{model}.chat_template: {mc.chat_template}: no such file"
                     )
                 try:
-                    lt = load_tokenizer(mc.tokenizer, mc.chat_template)
+                    lt = load_tokenizer_shared(mc.tokenizer, mc.chat_template)
                 except TokenizerLoadError as e:
                     raise ConfigError(f"tokens.models.{model}.tokenizer: {e}") from e
                 by_source[key] = lt

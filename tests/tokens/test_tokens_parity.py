@@ -196,3 +196,40 @@ def test_headers_template_tools_tojson_indent(tokens: Tokenization) -> None:
     assert tokens.tokenize_body("headers", body).token_ids == ids
     assert '    "type": "function"' in text  # tojson(indent=4)
     assert text.startswith("<|endoftext|>")  # bos_token from tokenizer_config
+
+
+PARTS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- if not loop.last %}{{- ' | ' }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{- '!' }}{% endgeneration %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_openai_content_format_and_generation_block(tokens: Tokenization) -> None:
+    """A template that loops over content parts gets them as parts, as vLLM passes them."""
+    body_msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "plain"},
+        {"role": "user", "content": "c"},
+    ]
+    # What vLLM hands to transformers for an "openai"-format template: parts everywhere.
+    as_parts = [
+        {"role": m["role"], "content": m["content"]}
+        if isinstance(m["content"], list)
+        else {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+        for m in body_msgs
+    ]
+    text, ids = _hf_ids(QWEN3, as_parts, chat_template=PARTS_TEMPLATE, add_generation_prompt=True)
+    body = {"messages": body_msgs, "chat_template": PARTS_TEMPLATE}
+    assert tokens.render("qwen3", body) == text
+    assert "a | b" in text and "plain!" in text
+    assert tokens.tokenize_body("qwen3", body).token_ids == ids

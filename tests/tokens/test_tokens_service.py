@@ -313,3 +313,35 @@ def test_truncate_prompt_tokens_keeps_the_tail(tokens: Tokenization) -> None:
     assert same == full
     with pytest.raises(TokenizeError, match="truncate_prompt_tokens"):
         tokens.tokenize_body("qwen3", {**body, "truncate_prompt_tokens": "x"})
+
+
+def test_named_templates_from_tokenizer_config(tmp_path: Path) -> None:
+    import json
+
+    d = tmp_path / "named"
+    d.mkdir()
+    (d / "tokenizer.json").symlink_to(QWEN3 / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "chat_template": [
+                    {"name": "default", "template": "D{{ messages[0].content }}"},
+                    {"name": "tool_use", "template": "T{{ tools | length }}"},
+                    {"name": "rag", "template": "R{{ documents[0].text }}"},
+                ],
+            }
+        )
+    )
+    t = make_tokens({"m": d})
+    try:
+        msgs = [{"role": "user", "content": "x"}]
+        assert t.render("m", {"messages": msgs}) == "Dx"
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        assert t.render("m", {"messages": msgs, "tools": tools}) == "T1"
+        docs = [{"title": "t", "text": "doc"}]
+        assert (
+            t.render("m", {"messages": msgs, "documents": docs, "chat_template": "rag"}) == "Rdoc"
+        )
+    finally:
+        t.close()
