@@ -123,6 +123,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 await self._response_phase(rid, context)
         except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # Envoy or the client went away
+            raise
         except Exception:
             if context.cancelled():
                 outcome = "cancelled"
