@@ -7,8 +7,9 @@ usually `tokenizer_config.json`, maybe `chat_template.jinja`), or a HuggingFace 
 What transformers adds on top of `tokenizer.json` and we mirror (transformers 5.x,
 `TokenizersBackend.__init__` / `update_post_processor`):
 
-* named special tokens (`bos_token`, `eos_token`, ...) from `tokenizer_config.json`; they are
-  also the template variables `apply_chat_template` passes (`special_tokens_map`);
+* named special tokens (`bos_token`, `eos_token`, ...) from `tokenizer_config.json` (and a
+  legacy `special_tokens_map.json` over them when the config has no
+  `added_tokens_decoder`); they are the template variables `apply_chat_template` passes;
 * `add_special_tokens=True` adds what `tokenizer.json`'s post-processor adds (BOS/EOS of a
   `TemplateProcessing`); like transformers 5, `add_bos_token`/`add_eos_token` in
   `tokenizer_config.json` are ignored when a `tokenizer.json` exists.
@@ -273,6 +274,13 @@ def load_tokenizer(
     cfg = _read_json(cfg_path) if cfg_path is not None else {}
 
     special = {n: s for n in SPECIAL_TOKEN_NAMES if (s := _token_str(cfg.get(n))) is not None}
+    stm = tj.parent / "special_tokens_map.json"
+    if "added_tokens_decoder" not in cfg and stm.is_file():
+        # Legacy repos: transformers 5 merges special_tokens_map.json over the config's
+        # values when the config has no added_tokens_decoder.
+        for n, v in _read_json(stm).items():
+            if n in SPECIAL_TOKEN_NAMES and (s := _token_str(v)) is not None:
+                special[n] = s
 
     templates: dict[str, str] = {}
     raw = cfg.get("chat_template")

@@ -8,6 +8,7 @@ text and the ids, over the Qwen3 tokenizer + template and our header-style templ
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from tokens_helpers import HEADERS, QWEN3, SNIPPETS, TOOLS, hf, make_tokens, random_conversation
 
-from scorer.tokens import Tokenization
+from scorer.tokens import Tokenization, load_tokenizer, render_chat
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +234,31 @@ def test_openai_content_format_and_generation_block(tokens: Tokenization) -> Non
     assert tokens.render("qwen3", body) == text
     assert "a | b" in text and "plain!" in text
     assert tokens.tokenize_body("qwen3", body).token_ids == ids
+
+
+def test_legacy_special_tokens_map(tmp_path: Path) -> None:
+    """A repo whose BOS is only in special_tokens_map.json renders it like transformers."""
+    d = tmp_path / "legacy"
+    d.mkdir()
+    (d / "tokenizer.json").symlink_to(QWEN3 / "tokenizer.json")
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}"})
+    )
+    (d / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<|endoftext|>", "lstrip": False, "rstrip": False},
+                "eos_token": "<|im_end|>",
+            }
+        )
+    )
+    ref = hf(d)
+    msgs = [{"role": "user", "content": "hi"}]
+    want = ref.apply_chat_template(msgs, tokenize=False)
+    lt = load_tokenizer(d)
+    got = render_chat(
+        {"messages": msgs, "add_generation_prompt": False},
+        lt.chat_templates["default"],
+        lt.special_tokens,
+    )
+    assert got == want == "<|endoftext|>hi<|im_end|>"
