@@ -21,7 +21,6 @@ def generate(out_dir: Path) -> list[Path]:
     """Run grpc_tools.protoc into `out_dir`; return the files written."""
     from grpc_tools import protoc  # dev dependency only
 
-    with_files = ROOT / "proto"
     tmp = out_dir / "_gen"
     tmp.mkdir(parents=True, exist_ok=True)
     args = [
@@ -30,7 +29,7 @@ def generate(out_dir: Path) -> list[Path]:
         f"--python_out={tmp}",
         f"--pyi_out={tmp}",
         f"--grpc_python_out={tmp}",
-        *[str(with_files / p) for p in PROTOS],
+        *[str(PROTO_ROOT / p) for p in PROTOS],
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")

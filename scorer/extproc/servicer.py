@@ -408,17 +408,3 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 def add_to_server(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
     """Register the servicer on a grpc.aio server."""
     ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-
-
-def request_fields(req: RoutingRequest) -> dict[str, Any]:
-    """A RoutingRequest as a dict (logging/debug)."""
-    return {
-        "request_id": req.request_id,
-        "model": req.model,
-        "path": req.path,
-        "subset": sorted(req.subset) if req.subset is not None else None,
-        "session_id": req.session_id,
-        "lora": req.lora,
-        "cache_salt": req.cache_salt,
-        "sheddable": req.sheddable,
-    }
