@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.config import Config
 from scorer.extproc import protocol as P
+from scorer.policy.metrics import STAGE_SECONDS
 from scorer.policy.simple import least_loaded, load_score
 from scorer.router import Router
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
@@ -69,6 +70,7 @@ _OUTCOMES = ("routed", "bad_request", "too_large", "no_endpoint", "shed", "refus
 # Labelled children resolved once: labels() costs a lock and a dict lookup per call.
 _STREAM_COUNTERS = {o: STREAMS.labels(o) for o in (*_OUTCOMES, "cancelled", "empty")}
 _decision_counters: dict[tuple[str, str], Any] = {}
+_PARSE_SECONDS = STAGE_SECONDS.labels("parse")
 
 
 def count_decision(d: Decision) -> None:
@@ -237,6 +239,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Parse the body into `req` and route it (400 decision on a bad body)."""
         if not body:
             return self.route_bodyless(req)
+        t0 = time.perf_counter()
         try:
             doc = P.parse_body(body)
         except P.BadRequest as e:
@@ -256,6 +259,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             req.lora = model
         # Estimate until the tokens stage knows better (~4 bytes per token of JSON).
         req.prompt_tokens = len(body) // 4
+        parse_s = time.perf_counter() - t0
         if not self.pool.serves_model(model):
             d = refuse(
                 self.router.policy.name,
@@ -268,6 +272,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self.router.decisions.add(d)
         else:
             d = await self.router.route(req)
+        # The body decode is the data path's stage (the router times the rest).
+        d.stages["parse"] = parse_s
+        _PARSE_SECONDS.observe(parse_s)
         count_decision(d)
         return d
 
