@@ -53,15 +53,8 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
     (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape".
 
-    This is the one place where the KV parts are wired in (by the lead, as their modules
-    land), e.g.:
-
-        hasher = BlockHasher(config.pool.block_size, config.index.hash)
-        index = BlockIndex(config.index)
-        events = EventIngest(config, pool, index, hasher)
-        tokens = Tokenization(config, hasher)
-        components += [events, tokens]
-        services.update(hasher=hasher, index=index, events=events, tokens=tokens)
+    This is the one place where the KV parts are wired in: components start in list
+    order and stop in reverse.
     """
     # Imported here so that `kv-scorer serve --policy round_robin` on a pool without KV
     # parts still starts quickly; every part is cheap to build when unused.
