@@ -351,9 +351,16 @@ def scorer_config(
 
 
 class ScorerRun:
-    """`kv-scorer serve` + Envoy for one policy; a context manager that stops both."""
+    """`kv-scorer serve` + Envoy for one policy.
 
-    def __init__(self, group: ProcGroup, fleet: SimFleet, policy: str, settings: E2ESettings):
+    `launch()` starts the scorer process and returns at once, `ready()` waits for it and
+    starts Envoy in front of it, so several scorers can boot in parallel. Also a context
+    manager (launch + ready on enter, `close()` on exit).
+    """
+
+    def __init__(
+        self, group: ProcGroup, fleet: SimFleet, policy: str, settings: E2ESettings
+    ) -> None:
         self.group = group
         self.fleet = fleet
         self.policy = policy
@@ -363,30 +370,39 @@ class ScorerRun:
         self.url = ""
         self.admin_url = ""
 
-    def __enter__(self) -> ScorerRun:
-        from scorer.envoyproc import EnvoyProcess, render_envoy_config
-
+    def launch(self) -> ScorerRun:
+        """Write the config and start `kv-scorer serve` (does not wait)."""
         d = self.settings.run_dir
         tok = write_stub_tokenizer(d / "tokenizer" / "tokenizer.json")
         cfg_path = d / f"scorer-{self.policy}.yaml"
         cfg = scorer_config(self.fleet, self.policy, self.settings, tok)
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-        try:
-            self.scorer = self.group.start(
-                f"scorer-{self.policy}", kv_scorer_argv("serve", "--config", str(cfg_path))
-            )
-            log = self.scorer.log
-            ports = wait_until(lambda: scorer_ports(log), 60.0, "the scorer", self.scorer)
-            extproc, _, admin = ports
-            self.admin_url = f"http://127.0.0.1:{admin}"
-            self.envoy = EnvoyProcess(render_envoy_config(0, extproc, 0)).start()
-            self.url = f"http://127.0.0.1:{self.envoy.listener_port}/v1/completions"
-        except BaseException:
-            self.__exit__()
-            raise
+        self.scorer = self.group.start(
+            f"scorer-{self.policy}", kv_scorer_argv("serve", "--config", str(cfg_path))
+        )
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def ready(self, timeout_s: float = 60.0) -> ScorerRun:
+        """Wait for the scorer's ports, then start Envoy in front of it."""
+        from scorer.envoyproc import EnvoyProcess, render_envoy_config
+
+        if self.scorer is None:
+            self.launch()
+        assert self.scorer is not None
+        log = self.scorer.log
+        extproc, _, admin = wait_until(
+            lambda: scorer_ports(log), timeout_s, f"scorer-{self.policy}", self.scorer
+        )
+        self.admin_url = f"http://127.0.0.1:{admin}"
+        self.envoy = EnvoyProcess(render_envoy_config(0, extproc, 0))
+        self.envoy.start()
+        if self.envoy.proc is not None:
+            self.group.record(self.envoy.proc.pid, f"envoy-{self.policy}")
+        self.url = f"http://127.0.0.1:{self.envoy.listener_port}/v1/completions"
+        return self
+
+    def close(self) -> None:
+        """Stop Envoy and the scorer (idempotent)."""
         if self.envoy is not None:
             with contextlib.suppress(Exception):
                 self.envoy.stop()
@@ -395,22 +411,49 @@ class ScorerRun:
             self.group.stop(self.scorer)
             self.scorer = None
 
+    def __enter__(self) -> ScorerRun:
+        try:
+            return self.launch().ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def decision_reasons(self) -> dict[str, int]:
-        """Reasons of the decisions the scorer still remembers (/debug/decisions)."""
-        status, body = http_get(self.admin_url + "/debug/decisions?limit=100000", 5.0)
+        """Decisions by reason, from the scorer's kv_scorer_decisions_total counter."""
+        status, text = http_get(self.admin_url + "/metrics", 5.0)
         if status != 200:
             return {}
-        try:
-            doc = json.loads(body)
-        except ValueError:
-            return {}
-        items = doc.get("decisions", doc) if isinstance(doc, dict) else doc
         out: dict[str, int] = {}
-        for d in items if isinstance(items, list) else []:
-            if isinstance(d, dict):
-                r = str(d.get("reason"))
-                out[r] = out.get(r, 0) + 1
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for fam in text_string_to_metric_families(text):
+            if fam.name != "kv_scorer_decisions":
+                continue
+            for smp in fam.samples:
+                if smp.name.endswith("_total") and smp.value:
+                    r = smp.labels.get("reason", "?")
+                    out[r] = out.get(r, 0) + int(smp.value)
         return dict(sorted(out.items()))
+
+
+def start_scorers(
+    group: ProcGroup, fleet: SimFleet, policies: Sequence[str], settings: E2ESettings
+) -> dict[str, ScorerRun]:
+    """Boot one scorer + Envoy per policy, in parallel (imports take seconds each)."""
+    runs = {p: ScorerRun(group, fleet, p, settings) for p in policies}
+    try:
+        for r in runs.values():
+            r.launch()
+        for r in runs.values():
+            r.ready()
+    except BaseException:
+        for r in runs.values():
+            r.close()
+        raise
+    return runs
 
 
 def progress_printer(name: str) -> Callable[[int, int], None]:
@@ -440,18 +483,31 @@ def run_load(url: str, wl: Workload, settings: E2ESettings, name: str) -> LoadRe
 
 
 def run_ours(
-    group: ProcGroup, fleet: SimFleet, wl: Workload, policy: str, settings: E2ESettings
+    group: ProcGroup,
+    fleet: SimFleet,
+    wl: Workload,
+    policy: str,
+    settings: E2ESettings,
+    run: ScorerRun | None = None,
 ) -> dict[str, Any]:
-    """One of our policies through Envoy + the scorer."""
+    """One of our policies through Envoy + the scorer (`run`, or one started here)."""
     fleet.reset()
-    with ScorerRun(group, fleet, policy, settings) as run:
+    own = run is None
+    if run is None:
+        run = ScorerRun(group, fleet, policy, settings).__enter__()
+    try:
         before = fleet.counters()
+        reasons0 = run.decision_reasons()
         res = run_load(run.url, wl, settings, policy)
         after = fleet.counters()
         out = summarize(res, before, after, settings.speed, len(wl))
         reasons = run.decision_reasons()
-        if reasons:
-            out["reasons"] = reasons
+        delta = {k: v - reasons0.get(k, 0) for k, v in reasons.items()}
+        if any(delta.values()):
+            out["reasons"] = {k: v for k, v in delta.items() if v}
+    finally:
+        if own:
+            run.close()
     return out
 
 

@@ -126,7 +126,14 @@ class ProcGroup:
         )
         p = Proc(name, popen, log)
         self.procs.append(p)
+        self.record(popen.pid, name)
         return p
+
+    def record(self, pid: int, name: str) -> None:
+        """Note a started pid in LOG_DIR/pids, so a test (or a person) can check it is gone."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with (self.log_dir / "pids").open("a") as pf:
+            pf.write(f"{pid} {name}\n")
 
     def stop(self, p: Proc, grace_s: float = 5.0) -> None:
         """SIGTERM, wait up to `grace_s`, then SIGKILL (this pid only)."""
