@@ -241,6 +241,8 @@ def content_format(source: str) -> ContentFormat:
 
 
 def _parts(role: str, content: Any, fmt: ContentFormat) -> str | list[dict[str, Any]]:
+    if type(content) is str and fmt == "string":
+        return content  # the common case: one text part, joined with nothing
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -402,7 +404,13 @@ def render_chat(
     used = template_variables(template)
     rest = {k: v for k, v in kwargs.items() if k in used and k not in _RESERVED_KWARGS}
 
-    chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
+    # transformers drops None-valued keys, then aliases reasoning fields.
+    chat = [
+        _alias_reasoning(
+            m if None not in m.values() else {k: v for k, v in m.items() if v is not None}
+        )
+        for m in messages
+    ]
     final_text: str | None = None
     if cont:
         last = chat[-1]
