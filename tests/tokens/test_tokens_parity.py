@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokens_helpers import HEADERS, QWEN3, SNIPPETS, TOOLS, hf, make_tokens, random_conversation
 
 from scorer.tokens import Tokenization, load_tokenizer, render_chat
@@ -32,6 +34,16 @@ def _hf_ids(path: Path, messages: list[dict[str, Any]], **kw: Any) -> tuple[str,
     tok = hf(path)
     text = tok.apply_chat_template(messages, tokenize=False, **kw)
     return text, list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def shared_tokens() -> Any:
+    # hypothesis runs one test function many times: a module fixture, not per example.
+    t = make_tokens({"qwen3": QWEN3})
+    try:
+        yield t
+    finally:
+        t.close()
 
 
 FAMILIES = [("qwen3", QWEN3), ("headers", HEADERS)]
@@ -262,3 +274,28 @@ def test_legacy_special_tokens_map(tmp_path: Path) -> None:
         lt.special_tokens,
     )
     assert got == want == "<|endoftext|>hi<|im_end|>"
+
+
+_CONTENT = st.lists(
+    st.one_of(
+        st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20),
+        st.sampled_from(["<|im_end|>", "<think>", "</think>", "\n\n", "  ", "<tool_response>"]),
+    ),
+    max_size=5,
+).map("".join)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _CONTENT), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_random_chats_match_transformers(
+    shared_tokens: Tokenization, turns: list[tuple[str, str]], thinking: bool
+) -> None:
+    msgs = [{"role": r, "content": c} for r, c in turns]
+    kw = {"enable_thinking": thinking}
+    text, ids = _hf_ids(QWEN3, msgs, add_generation_prompt=True, **kw)
+    body = {"messages": msgs, "chat_template_kwargs": kw}
+    assert shared_tokens.render("qwen3", body) == text
+    assert shared_tokens.tokenize_body("qwen3", body).token_ids == ids
