@@ -81,6 +81,11 @@ class Router:
         d.request_tokens = d.request_tokens or request.prompt_tokens
         # total = parse → endpoint: the data path's parse time plus the pipeline above.
         d.stages["total"] = time.perf_counter() - t0 + request.stages.get("parse", 0.0)
+        self.record(d)
+        return d
+
+    def record(self, d: Decision) -> None:
+        """Log and count a decision. Every decision goes through here exactly once,
+        including those the data path makes without the policy (400, bodyless)."""
         self.decisions.add(d)
         observe_decision(d)
-        return d

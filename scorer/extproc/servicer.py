@@ -37,7 +37,6 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.config import Config
 from scorer.extproc import protocol as P
-from scorer.policy.metrics import STAGE_SECONDS
 from scorer.policy.simple import least_loaded, load_score
 from scorer.router import Router
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
@@ -52,9 +51,6 @@ STREAMS = Counter(
     ["outcome"],
 )
 ACTIVE = Gauge("kv_scorer_extproc_active_streams", "ext_proc streams open now")
-DECISIONS = Counter(
-    "kv_scorer_decisions_total", "Routing decisions by policy and reason", ["policy", "reason"]
-)
 ROUTE_SECONDS = Histogram(
     "kv_scorer_extproc_route_seconds",
     "Time from end of request body to routing answer (scorer side)",
@@ -69,17 +65,6 @@ _OUTCOME_BY_STATUS = {400: "bad_request", 413: "too_large", 429: "shed", 503: "n
 _OUTCOMES = ("routed", "bad_request", "too_large", "no_endpoint", "shed", "refused", "error")
 # Labelled children resolved once: labels() costs a lock and a dict lookup per call.
 _STREAM_COUNTERS = {o: STREAMS.labels(o) for o in (*_OUTCOMES, "cancelled", "empty")}
-_decision_counters: dict[tuple[str, str], Any] = {}
-_PARSE_SECONDS = STAGE_SECONDS.labels("parse")
-
-
-def count_decision(d: Decision) -> None:
-    """kv_scorer_decisions_total{policy, reason} += 1 (children cached)."""
-    key = (d.policy, str(d.reason))
-    c = _decision_counters.get(key)
-    if c is None:
-        c = _decision_counters[key] = DECISIONS.labels(*key)
-    c.inc()
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -93,6 +78,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.track_responses = config.extproc.track_responses
         self.max_body = config.extproc.max_body_bytes
         self.sheddable_header = config.extproc.sheddable_header.lower()
+        # The session policy's header option names the header we read the session id from.
+        session_opts = config.policies.get("session") or {}
+        self.session_header = str(session_opts.get("header", P.SESSION_HEADER)).lower()
         self.decision_headers = config.extproc.decision_headers
         self.block_size = config.pool.block_size
         self.lora_names = frozenset(config.tokens.lora_base)
@@ -161,7 +149,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             path=headers.get(":path", "/"),
             method=headers.get(":method", "POST"),
             subset=P.subset_hint(msg),
-            session_id=headers.get(P.SESSION_HEADER),
+            session_id=headers.get(self.session_header),
             sheddable=P.truthy(headers.get(self.sheddable_header)),
         )
 
@@ -246,8 +234,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             d = refuse(self.router.policy.name, Reason.BAD_REQUEST, 400, e.message)
             d.notes.append(f"param={e.param}")
             d.request_id = req.request_id
-            self.router.decisions.add(d)
-            count_decision(d)
+            self.router.record(d)
             return d
         model: str = doc["model"]
         req.model = model
@@ -259,23 +246,20 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             req.lora = model
         # Estimate until the tokens stage knows better (~4 bytes per token of JSON).
         req.prompt_tokens = len(body) // 4
-        parse_s = time.perf_counter() - t0
-        if not self.pool.serves_model(model):
-            d = refuse(
-                self.router.policy.name,
-                Reason.NO_WORKERS,
-                503,
-                f"the model {model!r} is not served here",
-            )
-            d.request_id = req.request_id
-            d.model = model
-            self.router.decisions.add(d)
-        else:
-            d = await self.router.route(req)
-        # The body decode is the data path's stage (the router times the rest).
-        d.stages["parse"] = parse_s
-        _PARSE_SECONDS.observe(parse_s)
-        count_decision(d)
+        # The body decode is the data path's stage; the router merges it into the decision.
+        req.stages["parse"] = time.perf_counter() - t0
+        if self.pool.serves_model(model):
+            return await self.router.route(req)
+        d = refuse(
+            self.router.policy.name,
+            Reason.NO_WORKERS,
+            503,
+            f"the model {model!r} is not served here",
+        )
+        d.request_id = req.request_id
+        d.model = model
+        d.stages.update(req.stages)
+        self.router.record(d)
         return d
 
     def route_bodyless(self, req: RoutingRequest) -> Decision:
@@ -295,8 +279,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             )
         d.request_id = req.request_id
         d.stages["total"] = time.perf_counter() - t0
-        self.router.decisions.add(d)
-        count_decision(d)
+        self.router.record(d)
         return d
 
     def _routed(self, req: RoutingRequest, d: Decision) -> tuple[str | None, str]:

@@ -1,16 +1,23 @@
 """Decision metrics: matched-token ratio and decision latency by stage.
 
-`kv_scorer_decisions_total{policy,reason}` is counted by the data path
-(scorer.extproc.servicer) where every answer, including 400s, is known; the router calls
-`observe_decision` for the rest once per decision it makes.
+Every decision, from the data path or the Score RPC, goes through `Router.record`, which
+calls `observe_decision` once: decisions by policy and reason, matched-token ratio and
+stage latencies.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Histogram
+from typing import Any
+
+from prometheus_client import Counter, Histogram
 
 from scorer.routing import Decision
 
+DECISIONS = Counter(
+    "kv_scorer_decisions_total", "Routing decisions by policy and reason", ["policy", "reason"]
+)
+# Labelled children resolved once: labels() costs a lock and a dict lookup per call.
+_decision_counters: dict[tuple[str, str], Any] = {}
 MATCHED_RATIO = Histogram(
     "kv_scorer_matched_token_ratio",
     "Matched (cached) prompt tokens on the chosen worker / prompt tokens, per decision",
@@ -46,7 +53,12 @@ _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
 
 
 def observe_decision(d: Decision) -> None:
-    """Record one decision's matched-token ratio and stage latencies."""
+    """Record one decision: count by policy and reason, matched-token ratio, stages."""
+    key = (d.policy, str(d.reason))
+    counter = _decision_counters.get(key)
+    if counter is None:
+        counter = _decision_counters[key] = DECISIONS.labels(*key)
+    counter.inc()
     for stage, seconds in d.stages.items():
         child = _stage_children.get(stage)
         if child is not None:

@@ -235,6 +235,17 @@ async def test_request_fields_extracted(harness) -> None:
     assert r.prompt_tokens > 0
 
 
+async def test_session_header_name_comes_from_the_session_policy_options(harness) -> None:
+    h = await harness(policy="test_recording", policies={"session": {"header": "X-Conversation"}})
+    RecordingPolicy.seen.clear()
+    call = h.stream()
+    await call.write(headers_msg({"x-conversation": "conv-7", "x-session-affinity": "other"}))
+    await call.write(body_msg(completion("m"), True))
+    await read(call)
+    await call.done_writing()
+    assert RecordingPolicy.seen[-1].session_id == "conv-7"
+
+
 async def test_decision_headers(harness) -> None:
     h = await harness(extproc={"decision_headers": True})
     call = h.stream()
