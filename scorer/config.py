@@ -44,8 +44,6 @@ class ExtProcConfig(Strict):
     # Off: answer at end of request and close the stream (cheaper; least_loaded then
     # only sees scraped load).
     track_responses: bool = True
-    # Endpoints listed after the primary in x-gateway-destination-endpoint (Envoy retries).
-    fallbacks: int = Field(0, ge=0, le=8)
     # Add x-kv-scorer-reason / x-kv-scorer-matched-tokens request headers to the backend.
     decision_headers: bool = False
     # Largest request body read (bytes); bigger bodies get 413 in the OpenAI error shape.
