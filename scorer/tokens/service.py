@@ -82,6 +82,7 @@ class TokenizedPrompt:
     cache_salt: str | None = None
     kind: str = "completion"  # "completion" | "chat" | "token_ids"
     stats: dict[str, int] = field(default_factory=dict)
+    hash_seconds: float = 0.0  # of which: chaining the block keys (decision stage "hash")
 
 
 class Tokenization:
@@ -262,8 +263,11 @@ class Tokenization:
             if trunc > 0 and len(buf) > 4 * trunc:
                 buf = buf[len(buf) - 4 * trunc :]
                 stats["truncated_to"] = trunc
+        t_hash = time.perf_counter()
         keys = self.hasher.keys_from_bytes(buf, ns)
+        hash_seconds = time.perf_counter() - t_hash
         return TokenizedPrompt(
+            hash_seconds=hash_seconds,
             token_ids=bytes_to_ids(buf),
             block_keys=keys,
             namespace=ns,
@@ -365,7 +369,11 @@ class Tokenization:
         if request.lora is None:
             request.lora = tp.lora
         TOKENIZE_OUTCOMES.labels("ok").inc()
-        TOKENIZE_SECONDS.observe(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        TOKENIZE_SECONDS.observe(elapsed)
+        # Decision stages: render + encode, then hashing (the router reports both).
+        request.stages["tokenize"] = elapsed - tp.hash_seconds
+        request.stages["hash"] = tp.hash_seconds
 
     async def prepare(self, request: RoutingRequest) -> None:
         """Fill `token_ids`, `block_keys`, `block_size`, `prompt_tokens` off the event loop.

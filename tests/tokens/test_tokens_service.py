@@ -38,6 +38,9 @@ async def test_prepare_fills_tokens_and_keys(tokens: Tokenization) -> None:
     assert req.block_size == 16
     assert req.block_keys == BlockHasher(16).keys(req.token_ids)
     assert len(req.block_keys) == len(req.token_ids) // 16
+    # Both decision stages are reported, and hashing is part of the whole.
+    assert set(req.stages) == {"tokenize", "hash"}
+    assert 0 < req.stages["hash"] and 0 < req.stages["tokenize"]
 
 
 async def test_no_tokenizer_and_bad_bodies(tokens: Tokenization) -> None:
