@@ -40,7 +40,7 @@ async def test_prepare_fills_tokens_and_keys(tokens: Tokenization) -> None:
     assert len(req.block_keys) == len(req.token_ids) // 16
     # Both decision stages are reported, and hashing is part of the whole.
     assert set(req.stages) == {"tokenize", "hash"}
-    assert 0 < req.stages["hash"] and 0 < req.stages["tokenize"]
+    assert req.stages["hash"] > 0 and req.stages["tokenize"] > 0
 
 
 async def test_no_tokenizer_and_bad_bodies(tokens: Tokenization) -> None:
