@@ -42,6 +42,7 @@ FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_BIG_ENDIAN = sys.byteorder == "big"
 # A tag so that a namespace can never equal a plain parent key by construction.
 _NS_SEED = 0x6B762D73636F7265  # "kv-score"
 
@@ -86,9 +87,8 @@ def tokens_to_bytes(token_ids: Sequence[int], count: int | None = None) -> bytes
     One C-level conversion (array('I')); ids outside [0, 2**32) raise OverflowError.
     """
     ids = token_ids if count is None or count == len(token_ids) else token_ids[:count]
-    arr = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
-    if sys.byteorder == "big":  # keys must not depend on the machine
-        arr = array("I", arr)
+    arr = array("I", ids)  # a copy even for an array('I'): byteswap below must not leak
+    if _BIG_ENDIAN:  # keys must not depend on the machine
         arr.byteswap()
     return arr.tobytes()
 
@@ -127,11 +127,19 @@ class BlockHasher:
         so the namespace reaches every key through the chain; uint64 python ints. One hash
         call per block over one bytes buffer.
         """
-        n = len(token_ids) // self.block_size
+        bs = self.block_size
+        n = len(token_ids) // bs
         if n == 0:
             return []
-        buf = tokens_to_bytes(token_ids, n * self.block_size)
-        return self.keys_from_bytes(buf, namespace, parent)
+        if self.algo != "xxh3" or _BIG_ENDIAN:
+            return self.keys_from_bytes(tokens_to_bytes(token_ids, n * bs), namespace, parent)
+        # Inlined fast path (this runs for every BlockStored and every request): one C-level
+        # conversion to uint32 bytes, then one xxh3 call per block.
+        buf = array("I", token_ids if n * bs == len(token_ids) else token_ids[: n * bs]).tobytes()
+        stride = self._stride
+        h = _xxh3
+        prev = ((0 if parent is None else parent) ^ namespace) & MASK64
+        return [prev := h(buf[o : o + stride], prev) for o in range(0, len(buf), stride)]
 
     def keys_from_bytes(
         self, buf: bytes, namespace: int = 0, parent: int | None = None

@@ -117,42 +117,84 @@ class Applier:
         if batch.ts > 0:
             EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
         st = self._st(endpoint)
+        # Metrics are counted per batch, not per event: a prometheus inc takes a lock.
+        ok_events = ok_blocks = 0
+        stored = self._stored
         for ev in batch.events:
             if type(ev) is BlockStored:
-                self._stored(endpoint, r, ev, st)
+                n = stored(endpoint, r, ev, st)
+                if n:
+                    ok_events += 1
+                    ok_blocks += n
             elif type(ev) is BlockRemoved:
                 self._removed(endpoint, r, ev, st)
             elif isinstance(ev, AllBlocksCleared):
                 self.index.clear(endpoint, r or 0)
                 st.cleared += 1
                 _APPLIED["AllBlocksCleared", "ok"].inc()
+        if ok_events:
+            st.stored += ok_blocks
+            _APPLIED["BlockStored", "ok"].inc(ok_events)
+            _BLOCKS["BlockStored"].inc(ok_blocks)
 
-    def _stored(self, ep: str, rank: int | None, ev: BlockStored, st: ApplyStats) -> None:
+    def _fail(self, st: ApplyStats, outcome: str) -> int:
+        _APPLIED["BlockStored", outcome].inc()
+        if outcome != "short":
+            setattr(st, outcome, getattr(st, outcome) + 1)
+        return 0
+
+    def _stored(self, ep: str, rank: int | None, ev: BlockStored, st: ApplyStats) -> int:
+        """Index one BlockStored; returns the blocks indexed (0: skipped, counted)."""
         if ev.group_idx:  # hybrid models: index the first KV-cache group only
-            st.other_group += 1
-            _APPLIED["BlockStored", "other_group"].inc()
-            return
+            return self._fail(st, "other_group")
         hasher = self.hasher
         bs = hasher.block_size
-        if ev.block_size != bs:
-            st.block_size_mismatch += 1
-            st.last_block_size = ev.block_size
-            BLOCK_SIZE_MISMATCH.labels(ep).inc()
-            _APPLIED["BlockStored", "block_size_mismatch"].inc()
-            return
         st.last_block_size = ev.block_size
-        n = min(len(ev.block_hashes), len(ev.token_ids) // bs)
+        if ev.block_size != bs:
+            BLOCK_SIZE_MISMATCH.labels(ep).inc()
+            return self._fail(st, "block_size_mismatch")
+        hashes = ev.block_hashes
+        tokens = ev.token_ids
+        n = len(hashes)
+        nt = len(tokens) // bs
+        if nt < n:
+            n = nt
         if n == 0:
-            _APPLIED["BlockStored", "short"].inc()
-            return
+            return self._fail(st, "short")
+        index = self.index
         parent: int | None = None
-        if ev.parent_block_hash is not None:
-            parent = self.index.lookup_engine(ep, rank, engine_key(ev.parent_block_hash))
+        ph = ev.parent_block_hash
+        if ph is not None:
+            try:
+                pk = ph & MASK60 if type(ph) is int else engine_key(ph)
+            except TypeError:
+                return self._fail(st, "unknown_parent")
+            parent = index.lookup_engine(ep, rank, pk)
             if parent is None:
                 # A chain we cannot place (its parent was never seen or already evicted).
-                st.unknown_parent += 1
-                _APPLIED["BlockStored", "unknown_parent"].inc()
-                return
+                return self._fail(st, "unknown_parent")
+        try:
+            if (
+                ev.extra_keys is None
+                and ev.lora_name is None
+                and ev.lora_id is None
+                and ev.cache_salt is None
+            ):
+                # The common case: the base chain, one C pass over the tokens.
+                keys = hasher.keys(tokens if n * bs == len(tokens) else tokens[: n * bs], 0, parent)
+            else:
+                keys = self._keys(ev, n, parent)
+        except (TypeError, OverflowError, ValueError):
+            return self._fail(st, "bad_tokens")
+        try:
+            ekeys = _engine_keys(hashes if n == len(hashes) else hashes[:n])
+        except (TypeError, ValueError):
+            return self._fail(st, "bad_tokens")
+        index.add(ep, rank, ekeys, keys, ev.medium)
+        return n
+
+    def _keys(self, ev: BlockStored, n: int, parent: int | None) -> list[int]:
+        """Our keys for a chain with a LoRA, a salt or extra keys (the namespace)."""
         lora = ev.lora_name
         if lora is None and ev.lora_id is not None:
             lora = f"lora-id:{ev.lora_id}"  # old events: no name, never matches a request
@@ -166,43 +208,21 @@ class Applier:
             if salt is None and len(first) == 1 and isinstance(first[0], str):
                 salt, first = first[0], []
             ns = namespace_key(lora, salt, first or None)
-        try:
-            keys = self._keys(ev, n, ns, parent, per_block)
-        except (TypeError, OverflowError, ValueError):
-            st.bad_tokens += 1
-            _APPLIED["BlockStored", "bad_tokens"].inc()
-            return
-        try:
-            ekeys = _engine_keys(ev.block_hashes[:n])
-        except (TypeError, ValueError):
-            st.bad_tokens += 1
-            _APPLIED["BlockStored", "bad_tokens"].inc()
-            return
-        self.index.add(ep, rank, ekeys, keys, ev.medium)
-        st.stored += n
-        _APPLIED["BlockStored", "ok"].inc()
-        _BLOCKS["BlockStored"].inc(n)
-
-    def _keys(
-        self, ev: BlockStored, n: int, ns: int, parent: int | None, per_block: bool
-    ) -> list[int]:
         hasher = self.hasher
         bs = hasher.block_size
-        ek = ev.extra_keys or []
         tokens = ev.token_ids
         if not per_block:
-            keys = hasher.keys(tokens if n * bs == len(tokens) else tokens[: n * bs], ns, parent)
-        else:
-            keys = []
-            prev = parent
-            for i in range(n):
-                extra = _extras(ek[i], ev.lora_name) if i < len(ek) else []
-                block_ns = ns if i == 0 and parent is None else 0
-                if extra and not (i == 0 and parent is None):
-                    block_ns = namespace_key(None, None, extra)
-                (k,) = hasher.keys(tokens[i * bs : (i + 1) * bs], block_ns, prev)
-                keys.append(k)
-                prev = k
+            return hasher.keys(tokens if n * bs == len(tokens) else tokens[: n * bs], ns, parent)
+        keys: list[int] = []
+        prev = parent
+        for i in range(n):
+            extra = _extras(ek[i], ev.lora_name) if i < len(ek) else []
+            block_ns = ns if i == 0 and parent is None else 0
+            if extra and not (i == 0 and parent is None):
+                block_ns = namespace_key(None, None, extra)
+            (k,) = hasher.keys(tokens[i * bs : (i + 1) * bs], block_ns, prev)
+            keys.append(k)
+            prev = k
         return keys
 
     def _removed(self, ep: str, rank: int | None, ev: BlockRemoved, st: ApplyStats) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -123,6 +123,123 @@ class Message:
 
 
 _decoder = msgspec.msgpack.Decoder()
+
+
+# ---- typed fast path ----------------------------------------------------------------------
+# A well-formed batch is decoded in C by msgspec straight into typed Structs (one decoder per
+# era: msgspec unions cannot mix array-like and map-like Structs), then turned into the event
+# dataclasses below. Anything the typed schema rejects (a map-shaped batch, a bad or unknown
+# event, bytes where a str belongs, ...) falls back to the generic path, which reports
+# per-event errors and keeps the good events: the fast path never changes the meaning.
+
+_PosInt = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class _AStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    # vLLM 0.9-0.23 positional order; extra trailing fields are ignored by msgspec.
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: _PosInt
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _ARemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ACleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    medium: str | None = None
+
+
+class _ABatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_AStored | _ARemoved | _ACleared]
+    data_parallel_rank: int | None = None
+
+
+class _MStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    # vLLM 0.24+ tagged maps (unknown fields ignored), plus SGLang's cache_salt.
+    block_hashes: list[int | bytes]
+    token_ids: list[int]
+    block_size: _PosInt
+    parent_block_hash: int | bytes | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    cache_salt: str | None = None
+
+
+class _MRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _MCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    medium: str | None = None
+
+
+class _MBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_MStored | _MRemoved | _MCleared]
+    data_parallel_rank: int | None = None
+
+
+_typed: list[msgspec.msgpack.Decoder[Any]] = [
+    msgspec.msgpack.Decoder(_MBatch),
+    msgspec.msgpack.Decoder(_ABatch),
+]
+_GPU_ONLY = {None: "GPU", "GPU": "GPU"}
+
+
+def _fast_payload(payload: bytes) -> EventBatch | None:
+    """The typed decode of a well-formed batch, or None (then the generic path runs)."""
+    for i, dec in enumerate(_typed):
+        try:
+            raw: _ABatch | _MBatch = dec.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            continue
+        if i:  # the other era is probably what this publisher sends next time as well
+            _typed.reverse()
+        out: list[Event] = []
+        append = out.append
+        for e in raw.events:
+            if type(e) is _MStored or type(e) is _AStored:
+                mraw = e.medium
+                med = _GPU_ONLY.get(mraw) or normalize_medium(mraw)
+                append(
+                    BlockStored(
+                        e.block_hashes,
+                        e.parent_block_hash,
+                        e.token_ids,
+                        e.block_size,
+                        e.lora_id,
+                        med,
+                        mraw,
+                        e.lora_name,
+                        e.extra_keys,
+                        e.group_idx,
+                        e.cache_salt if type(e) is _MStored else None,
+                    )
+                )
+            elif type(e) is _MRemoved or type(e) is _ARemoved:
+                mraw = e.medium
+                med = _GPU_ONLY.get(mraw) or normalize_medium(mraw)
+                append(BlockRemoved(e.block_hashes, med, mraw, e.group_idx))
+            else:
+                m = e.medium
+                append(AllBlocksCleared(None if m is None else normalize_medium(m)))
+        return EventBatch(raw.ts, out, raw.data_parallel_rank)
+    return None
 
 
 def _hash(v: object, what: str) -> Hash:
@@ -260,6 +377,12 @@ def decode_event(raw: object) -> Event:
 
 def decode_payload(payload: bytes) -> EventBatch:
     """A msgpack batch → EventBatch. Bad events are skipped into `errors`."""
+    fast = _fast_payload(payload)
+    return fast if fast is not None else decode_payload_generic(payload)
+
+
+def decode_payload_generic(payload: bytes) -> EventBatch:
+    """`decode_payload` without the typed fast path: generic msgpack, field by field."""
     try:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as e:

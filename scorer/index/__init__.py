@@ -20,7 +20,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import and_, or_
 from typing import Any
@@ -38,6 +39,17 @@ INDEX_EVICTIONS = Counter(
     "kv_scorer_index_evictions_total",
     "Index entries dropped because a worker exceeded index.max_blocks_per_worker",
 )
+# The entries gauge is read at scrape time from the live indexes (no per-event metric
+# update on the ingest path).
+_LIVE: weakref.WeakSet[BlockIndex] = weakref.WeakSet()
+
+
+def _entries_of(medium: str) -> Callable[[], float]:
+    return lambda: float(sum(ix.entries(medium) for ix in list(_LIVE)))
+
+
+for _m in MEDIA:
+    INDEX_ENTRIES.labels(_m).set_function(_entries_of(_m))
 SPECULATIVE = Counter(
     "kv_scorer_index_speculative_total",
     "Speculative block entries by outcome (inserted, confirmed, expired)",
@@ -98,6 +110,7 @@ class BlockIndex:
         self._all_mask = 0
         self.max_blocks = self.config.max_blocks_per_worker
         self.clock = time.monotonic
+        _LIVE.add(self)
 
     # ---- slots -------------------------------------------------------------------------
 
@@ -134,27 +147,26 @@ class BlockIndex:
         medium: str = "GPU",
     ) -> int:
         """A worker stores these blocks (engine keys ↔ our keys). Returns new entries."""
-        s = self._slot(endpoint, rank)
-        d = self._media.get(medium, self._gpu)
-        medium = medium if medium in self._media else "GPU"
+        s = self._slots.get((endpoint, rank or 0)) or self._slot(endpoint, rank)
+        d = self._media.get(medium)
+        if d is None:
+            d, medium = self._gpu, "GPU"
         bit = self._bit_obj[s.bit]
         emap = s.emap
         emap.update(zip(ekeys, keys, strict=False))
-        if not any(map(d.__contains__, keys)):
-            # A fresh chain (the common case): C-level insert. Every single-holder entry
-            # shares the slot's one bit object, so a mask costs no memory of its own.
-            d.update(zip(keys, itertools.repeat(bit)))
-            new = len(keys)
-        else:
-            new = 0
-            for k in keys:
-                m = d.get(k, 0)
+        # One C-level pass inserts the absent keys with the slot's shared bit object (a
+        # single-holder mask costs no memory of its own) and returns every key's mask.
+        before = len(d)
+        masks = list(map(d.setdefault, keys, itertools.repeat(bit)))
+        new = len(d) - before
+        if masks.count(bit) != len(masks):
+            # Some blocks are held by other workers too: add our bit to those masks.
+            for k, m in zip(keys, masks, strict=True):
                 if not m & bit:
                     d[k] = m | bit
                     new += 1
         if new:
             s.counts[medium] += new
-            INDEX_ENTRIES.labels(medium).inc(new)
         if s.spec:
             self._confirm(s, keys)
         if len(emap) > self.max_blocks:
@@ -191,7 +203,6 @@ class BlockIndex:
                 del emap[ek]
         if removed:
             s.counts[medium] -= removed
-            INDEX_ENTRIES.labels(medium).dec(removed)
         return removed, unknown
 
     def _drop_keys(self, s: _Slot, keys: Iterable[int]) -> None:
@@ -211,7 +222,6 @@ class BlockIndex:
                         del d[k]
                     n += 1
             s.counts[medium] -= n
-            INDEX_ENTRIES.labels(medium).dec(n)
 
     def _evict(self, s: _Slot, n: int) -> None:
         # Oldest first: dicts keep insertion order. Batched so the scan stays amortised.
@@ -427,6 +437,10 @@ class BlockIndex:
             "purges": purges,
             "ranks": sorted(ranks),
         }
+
+    def entries(self, medium: str) -> int:
+        """Stored (block, worker) entries on one medium."""
+        return sum(s.counts[medium] for s in self._slots.values())
 
     def total_entries(self) -> int:
         """Stored (block, worker) entries over all media."""

@@ -21,7 +21,10 @@ from scorer.events.decode import (
     BlockRemoved,
     BlockStored,
     DecodeError,
+    EventBatch,
+    _fast_payload,
     decode_message,
+    decode_payload_generic,
     normalize_medium,
     split_replay_reply,
 )
@@ -220,3 +223,87 @@ def test_bad_token_ids_are_counted_not_raised(bad: Any) -> None:
     ap.apply("w", msg.batch)
     assert ap.stats["w"].bad_tokens == 1
     assert idx.total_entries() == 0
+
+
+# ---- the typed fast path means exactly what the generic path means ------------------------
+
+
+def _same_as_generic(payload: bytes) -> None:
+    fast = _fast_payload(payload)
+    try:
+        slow: EventBatch | str = decode_payload_generic(payload)
+    except DecodeError as e:
+        slow = e.kind
+    if fast is None:
+        return  # the generic path runs: nothing to compare
+    assert fast == slow
+
+
+@pytest.mark.parametrize(("name", "m"), MESSAGES, ids=[n for n, _ in MESSAGES])
+def test_fast_path_takes_every_clean_vector(name: str, m: dict[str, Any]) -> None:
+    payload = _frames(m["parts_b64"])[2]
+    fast = _fast_payload(payload)
+    assert fast is not None and fast == decode_payload_generic(payload)
+
+
+def test_fast_path_falls_back_on_odd_shapes() -> None:
+    # bytes medium, unknown type, map-shaped batch, block_size 0: generic path, same meaning.
+    ev = ["BlockStored", [1], None, list(range(16)), 16, None, b"cpu"]
+    for batch in (
+        [0.0, [ev]],
+        [0.0, [["Mystery", 1], ev]],
+        {"ts": 1.0, "events": [ev]},
+        [0.0, [["BlockStored", [1], None, [1], 0]]],
+        [True, [ev]],
+    ):
+        payload = msgspec.msgpack.encode(batch)
+        assert _fast_payload(payload) is None
+        _same_as_generic(payload)
+    good = msgspec.msgpack.encode([2, [["BlockRemoved", [-5]], ["AllBlocksCleared"]], 1])
+    got = _fast_payload(good)
+    assert got == EventBatch(2.0, [BlockRemoved([-5]), AllBlocksCleared()], 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.floats(allow_nan=False) | _any, st.lists(_event, max_size=4), _any)
+def test_fuzz_fast_path_agrees(ts: Any, events: list[Any], rank: Any) -> None:
+    _same_as_generic(msgspec.msgpack.encode([ts, events, rank]))
+    _same_as_generic(msgspec.msgpack.encode([ts, events]))
+
+
+_hash_st = st.integers(-(2**63), 2**64 - 1) | st.binary(min_size=1, max_size=32)
+_medium_st = st.sampled_from([None, "GPU", "CPU", "cpu", "FS", "OBJ", "STORAGE", "CPU_PINNED",
+                              "DISK", "EXTERNAL", "HBM"])  # fmt: skip
+_opt_int_st = st.none() | st.integers(0, 3)
+_valid_stored = st.tuples(
+    st.lists(_hash_st, max_size=3), st.none() | _hash_st,
+    st.lists(st.integers(0, 2**32 - 1), max_size=40), st.integers(1, 32), _opt_int_st,
+    _medium_st, st.none() | st.text(max_size=4),
+    st.none() | st.lists(st.none() | st.lists(st.text(max_size=3), max_size=2), max_size=3),
+    _opt_int_st,
+)  # fmt: skip
+_NAMES = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+          "medium", "lora_name", "extra_keys", "group_idx")  # fmt: skip
+
+
+def _named(fields: tuple[Any, ...]) -> dict[str, Any]:
+    return dict(zip(_NAMES, fields, strict=True))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            _valid_stored.map(lambda f: ["BlockStored", *f]),
+            _valid_stored.map(lambda f: {"type": "BlockStored", **_named(f)}),
+            st.tuples(st.lists(_hash_st, max_size=3), _medium_st, _opt_int_st).map(
+                lambda f: ["BlockRemoved", *f]
+            ),
+            _medium_st.map(lambda m: {"type": "AllBlocksCleared", "medium": m}),
+        ),
+        max_size=4,
+    ),
+    st.none() | st.integers(0, 3),
+)
+def test_fuzz_valid_batches_agree(events: list[Any], rank: int | None) -> None:
+    _same_as_generic(msgspec.msgpack.encode([1.5, events, rank]))
