@@ -137,6 +137,8 @@ class EventIngest:
             return _error(400, "token_ids must be a list of non-negative 32-bit integers")
         salt = body.get("cache_salt")
         lora = body.get("lora_name")
+        if lora is None and isinstance(model, str) and model in self.config.tokens.lora_base:
+            lora = model  # the request names a LoRA adapter: its blocks live in its namespace
         return web.json_response(
             self.score(
                 ids,

@@ -16,7 +16,7 @@ import zmq.asyncio
 from aiohttp import web
 from kvev_publisher import Publisher, cleared, removed, stored
 
-from scorer.blocks import BlockHasher
+from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config
 from scorer.events import EventIngest
 from scorer.events.cli import listen
@@ -283,6 +283,15 @@ async def test_debug_score_and_index_over_http(ctx: zmq.asyncio.Context) -> None
             assert body["workers"][1]["weighted"] == pytest.approx(0.3)
             r = await http.post(url + "/debug/score", json={"model": "m", "prompt": "hello"})
             assert (await r.json())["workers"][0]["matched_blocks"] == 3
+            # A model named in tokens.lora_base is an adapter: its chain has its own namespace.
+            ing.config.tokens.lora_base["adapter"] = "m"
+            lora_keys = HASHER.keys(TOKENS, namespace_key("adapter"))
+            ing.applier.index.add(other, 0, [7, 8], lora_keys[:2])
+            r = await http.post(
+                url + "/debug/score", json={"model": "adapter", "token_ids": TOKENS}
+            )
+            lora_rows = {w["endpoint"]: w["matched_blocks"] for w in (await r.json())["workers"]}
+            assert lora_rows == {other: 2, EP: 0}
             r = await http.post(url + "/debug/score", json={"model": "m", "token_ids": [-1]})
             assert r.status == 400
             r = await http.post(url + "/debug/score", data=b"{nope")
