@@ -9,21 +9,25 @@ Layout (built for 64+ workers and millions of blocks):
 * speculative entries (a request just routed there; its blocks are being computed) live in
   their own key → bitmask dict with a per-slot expiry, and count as GPU blocks.
 
-`match` looks every prompt key up once per medium with C-level iteration (`map(dict.get)`),
-ANDs the masks with `itertools.accumulate` and finds where each worker drops out with
-`itertools.groupby`, so a 256-block prompt costs ~256 dict lookups whatever the worker count.
+`match` looks every prompt key up in the GPU dict with C-level iteration (`map(dict.get)`),
+finds where the holder mask changes in C (`map(ne)` + `compress`) and runs Python code only
+per change (an AND, and the workers that drop out there), so a 256-block prompt costs ~256
+dict lookups plus O(workers) whatever the worker count. The CPU and disk dicts are only
+read when one of the prompt's keys is in them (one C-level `isdisjoint` scan), and then only
+the positions with a CPU/disk copy get Python work: O(blocks + non-GPU holders).
 A worker's count is its longest *contiguous* prefix: the first missing block freezes it.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import and_, or_
+from operator import ne, or_
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -85,6 +89,36 @@ def _bits(mask: int) -> Iterable[int]:
         low = mask & -mask
         yield low.bit_length() - 1
         mask ^= low
+
+
+def _depths(masks: list[int], allowed: int) -> tuple[dict[int, int], list[int], list[int]]:
+    """Bit index → matched blocks, from the holder masks of the prompt's blocks.
+
+    A worker's depth is the length of the leading run of blocks whose masks all contain its
+    bit. Equal consecutive masks are found in C (`map(ne)` + `compress`), so the Python loop
+    runs once per *change* of mask, not once per block: O(blocks) C work + O(changes +
+    workers) Python work. Also returns the run starts and the alive set of each run (the
+    workers counting that run's blocks), for the media split.
+    """
+    n = len(masks)
+    starts = [0, *itertools.compress(range(1, n), map(ne, masks, itertools.islice(masks, 1, None)))]
+    counts: dict[int, int] = {}
+    run_alive: list[int] = []
+    alive = allowed
+    for st in starts:
+        nxt = alive & masks[st]
+        if nxt != alive:
+            if st:  # a worker without block 0 matches nothing: not in the result
+                for b in _bits(alive & ~nxt):
+                    counts[b] = st
+            alive = nxt
+            if not alive:
+                del starts[len(run_alive) :]
+                return counts, starts, run_alive
+        run_alive.append(alive)
+    for b in _bits(alive):
+        counts[b] = n
+    return counts, starts, run_alive
 
 
 class BlockIndex:
@@ -325,7 +359,8 @@ class BlockIndex:
         self, keys: Sequence[int], endpoints: Iterable[str] | None = None
     ) -> dict[str, Match]:
         """Per worker, the contiguous leading blocks of `keys` it holds (only workers with
-        >= 1 matched block appear). Speculative blocks count as GPU."""
+        >= 1 matched block appear). Speculative blocks count as GPU. Several workers may
+        share one (equal) Match object: treat the result as read-only."""
         if self._spec_heap:
             self.expire()
         if endpoints is None:
@@ -337,78 +372,95 @@ class BlockIndex:
                 allowed |= epm.get(ep, 0)
         if not allowed or not keys:
             return {}
+        cpu, disk = self._cpu, self._disk
+        # A prompt with no block on CPU/disk anywhere (the common case) pays one C-level
+        # membership scan per non-empty slow medium and takes the GPU-only path.
+        if (cpu and not cpu.keys().isdisjoint(keys)) or (disk and not disk.keys().isdisjoint(keys)):
+            return self._match_media(keys, allowed)
         zero = itertools.repeat(0)
-        masks: Iterable[int] = map(self._gpu.get, keys, zero)
-        cpu, disk, spec = self._cpu, self._disk, self._spec
-        if spec:
-            masks = map(or_, masks, map(spec.get, keys, zero))
-        if cpu:
-            masks = map(or_, masks, map(cpu.get, keys, zero))
-        if disk:
-            masks = map(or_, masks, map(disk.get, keys, zero))
-        # Running AND: alive_i = workers holding blocks 0..i. Stop at the first empty set.
-        running = itertools.takewhile(bool, itertools.accumulate(masks, and_, initial=allowed))
-        next(running)  # the initial value
-        counts: dict[int, int] = {}  # bit index → matched blocks
-        prev = 0
-        pos = 0
-        for alive, grp in itertools.groupby(running):
-            n = sum(1 for _ in grp)
-            if prev:
-                for b in _bits(prev & ~alive):
-                    counts[b] = pos
-            prev = alive
-            pos += n
-        for b in _bits(prev):
-            counts[b] = pos
+        masks = list(map(self._gpu.get, keys, zero))
+        spec = self._spec
+        if spec and not spec.keys().isdisjoint(keys):
+            masks = list(map(or_, masks, map(spec.get, keys, zero)))
+        counts = _depths(masks, allowed)[0]
         if not counts:
             return {}
-        if cpu or disk:
-            return self._split_media(keys, counts)
         wg = self._wg
         out: dict[str, Match] = {}
         by_bit = self._by_bit
+        shared: dict[int, Match] = {}  # one Match per distinct depth
         for b, c in counts.items():
             ep = by_bit[b].endpoint
             cur = out.get(ep)
             if cur is None or c > cur.blocks:
-                out[ep] = Match(c, {"GPU": c}, c * wg)
+                m = shared.get(c)
+                if m is None:
+                    m = shared[c] = Match(c, {"GPU": c}, c * wg)
+                out[ep] = m
         return out
 
-    def _split_media(self, keys: Sequence[int], counts: dict[int, int]) -> dict[str, Match]:
-        # A block on several media counts once, on its best one (GPU/speculative > CPU > DISK).
-        top = max(counts.values())
-        gpu, spec, cpu = self._gpu, self._spec, self._cpu
-        matched = 0
-        for b in counts:
-            matched |= 1 << b
-        n_cpu = dict.fromkeys(counts, 0)
-        n_disk = dict.fromkeys(counts, 0)
-        for i in range(top):
-            k = keys[i]
-            fast = gpu.get(k, 0) | spec.get(k, 0)
-            slow = matched & ~fast
-            if not slow:
-                continue
-            on_cpu = cpu.get(k, 0)
-            for b in _bits(slow):
-                if i < counts[b]:
-                    if on_cpu >> b & 1:
-                        n_cpu[b] += 1
-                    else:
-                        n_disk[b] += 1
+    def _match_media(self, keys: Sequence[int], allowed: int) -> dict[str, Match]:
+        """`match` when some prompt block is on CPU/disk somewhere.
+
+        A block on several media counts once, on its best one (GPU/speculative > CPU > DISK).
+        Cost: a few C-level passes over the keys, then Python work only for the (position,
+        worker) pairs whose copy is CPU/disk-only: O(blocks + such holders), never
+        O(blocks x workers).
+        """
+        zero = itertools.repeat(0)
+        g = list(map(self._gpu.get, keys, zero))
+        spec = self._spec
+        if spec and not spec.keys().isdisjoint(keys):
+            g = list(map(or_, g, map(spec.get, keys, zero)))
+        cpu, disk = self._cpu, self._disk
+        n = len(g)
+        c = list(map(cpu.get, keys, zero)) if cpu else None
+        d = list(map(disk.get, keys, zero)) if disk else None
+        # Positions with a CPU/disk copy anywhere (found in C); usually a few. Only those
+        # get Python work: their combined mask, then their split among the alive workers.
+        if c is not None and d is not None:
+            slow_pos = sorted({*itertools.compress(range(n), c), *itertools.compress(range(n), d)})
+        else:
+            slow_pos = list(itertools.compress(range(n), c if c is not None else d or ()))
+        tot = list(g)
+        for i in slow_pos:
+            tot[i] = g[i] | (c[i] if c is not None else 0) | (d[i] if d is not None else 0)
+        counts, starts, run_alive = _depths(tot, allowed)
+        if not counts:
+            return {}
+        n_cpu: dict[int, int] = {}
+        n_disk: dict[int, int] = {}
+        end = max(counts.values())
+        for i in slow_pos:
+            if i >= end:
+                break  # past the last matched block of every worker
+            ci = c[i] if c is not None else 0
+            # Holders whose copy is CPU/disk-only, among the workers still counting block i
+            # (the alive set of i's run).
+            x = (tot[i] & ~g[i]) & run_alive[bisect.bisect_right(starts, i) - 1]
+            for b in _bits(x):
+                if ci >> b & 1:
+                    n_cpu[b] = n_cpu.get(b, 0) + 1
+                else:
+                    n_disk[b] = n_disk.get(b, 0) + 1
         out: dict[str, Match] = {}
-        for b, c in counts.items():
-            nc, nd = n_cpu[b], n_disk[b]
-            ng = c - nc - nd
-            m = Match(
-                c,
-                {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
-                ng * self._wg + nc * self._wc + nd * self._wd,
-            )
-            ep = self._by_bit[b].endpoint
+        wg, wc, wd = self._wg, self._wc, self._wd
+        by_bit = self._by_bit
+        shared: dict[tuple[int, int, int], Match] = {}  # one Match per distinct split
+        for b, cnt in counts.items():
+            nc = n_cpu.get(b, 0)
+            nd = n_disk.get(b, 0)
+            ep = by_bit[b].endpoint
             cur = out.get(ep)
-            if cur is None or m.blocks > cur.blocks:
+            if cur is None or cnt > cur.blocks:
+                m = shared.get((cnt, nc, nd))
+                if m is None:
+                    ng = cnt - nc - nd
+                    m = shared[cnt, nc, nd] = Match(
+                        cnt,
+                        {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
+                        ng * wg + nc * wc + nd * wd,
+                    )
                 out[ep] = m
         return out
 
