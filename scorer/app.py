@@ -32,7 +32,9 @@ from scorer.api.score import add_to_server as add_scorer
 from scorer.config import Config, ConfigError, load_config
 from scorer.decisions import DecisionLog
 from scorer.extproc.servicer import ExtProcServicer
+from scorer.extproc.servicer import add_to_h2_server as add_extproc_h2
 from scorer.extproc.servicer import add_to_server as add_extproc
+from scorer.extproc.transport import H2GrpcServer
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
 from scorer.router import RequestPreparer, Router
@@ -136,6 +138,7 @@ class App:
         s = config.server
         self.admin = AdminServer(s.host, s.admin_port, self.decisions, routes)
         self.extproc_server: grpc.aio.Server | None = None
+        self.extproc_h2: H2GrpcServer | None = None
         self.health_server: grpc.aio.Server | None = None
         self.extproc_port = s.extproc_port
         self.health_port = s.health_port
@@ -154,15 +157,22 @@ class App:
             ("grpc.max_receive_message_length", _MAX_MESSAGE),
             ("grpc.max_send_message_length", _MAX_MESSAGE),
         ]
-        self.extproc_server = grpc.aio.server(options=opts)
-        add_extproc(self.extproc, self.extproc_server)
-        add_scorer(self.scorer, self.extproc_server)
-        self.health.add_to_server(self.extproc_server)
-        self.extproc_port = self.extproc_server.add_insecure_port(f"{s.host}:{s.extproc_port}")
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health.add_to_server(self.health_server)
+        if s.extproc_transport == "asyncio":
+            # Our HTTP/2 server carries only ext_proc; Scorer goes on the health port.
+            add_scorer(self.scorer, self.health_server)
+            self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
+            add_extproc_h2(self.extproc, self.extproc_h2)
+            self.extproc_port = await self.extproc_h2.start(s.host, s.extproc_port, s.reuse_port)
+        else:
+            self.extproc_server = grpc.aio.server(options=opts)
+            add_extproc(self.extproc, self.extproc_server)
+            add_scorer(self.scorer, self.extproc_server)
+            self.health.add_to_server(self.extproc_server)
+            self.extproc_port = self.extproc_server.add_insecure_port(f"{s.host}:{s.extproc_port}")
+            await self.extproc_server.start()
         self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
-        await self.extproc_server.start()
         await self.health_server.start()
         self.admin_port = await self.admin.start()
         await self.set_ready(True)
@@ -198,6 +208,9 @@ class App:
         if self.extproc_server is not None:
             await self.extproc_server.stop(s.grace_period_s)
             self.extproc_server = None
+        if self.extproc_h2 is not None:
+            await self.extproc_h2.stop(s.grace_period_s)
+            self.extproc_h2 = None
         for c in reversed(self._started):
             try:
                 await _maybe_call(c, "stop")

@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.config import Config
 from scorer.extproc import protocol as P
+from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
 from scorer.policy.simple import least_loaded, load_score
 from scorer.router import Router
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
@@ -98,8 +99,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def Process(  # type: ignore[override]
         self,
-        request_iterator: AsyncIterator[ep.ProcessingRequest],
-        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
+        request_iterator: AsyncIterator[ep.ProcessingRequest] | None,
+        context: StreamContext,
     ) -> None:
         if self.draining:
             _STREAM_COUNTERS["refused"].inc()
@@ -111,7 +112,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             rid, outcome = await self._request_phase(context)
             if rid is not None and self.track_responses:
                 await self._response_phase(rid, context)
-        except grpc.aio.AbortError:
+        except (grpc.aio.AbortError, AbortStream):
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"  # Envoy or the client went away
@@ -130,9 +131,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ request path
 
-    async def _request_phase(
-        self, context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse]
-    ) -> tuple[str | None, str]:
+    async def _request_phase(self, context: StreamContext) -> tuple[str | None, str]:
         """Read the request, answer with the destination. Returns (in-flight id, outcome)."""
         msg = await context.read()
         if msg is _EOF:
@@ -321,7 +320,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _response_phase(
         self,
         rid: str,
-        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
+        context: StreamContext,
     ) -> None:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange)."""
         task = asyncio.current_task()
@@ -350,7 +349,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _follow(
         self,
         rid: str,
-        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
+        context: StreamContext,
     ) -> None:
         while True:
             m = await context.read()
@@ -373,7 +372,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def _passthrough(
         self,
         m: ep.ProcessingRequest,
-        context: grpc.aio.ServicerContext[ep.ProcessingRequest, ep.ProcessingResponse],
+        context: StreamContext,
     ) -> None:
         """Answer a message we do not act on with an unchanged CONTINUE."""
         k = m.WhichOneof("request")
@@ -398,3 +397,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 def add_to_server(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
     """Register the servicer on a grpc.aio server."""
     ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+
+
+PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+def add_to_h2_server(servicer: ExtProcServicer, server: H2GrpcServer) -> None:
+    """Register the servicer on our asyncio HTTP/2 server (server.extproc_transport)."""
+    server.add_handler(PROCESS_PATH, servicer.Process, ep.ProcessingRequest.FromString)
