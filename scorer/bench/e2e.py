@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -427,16 +428,22 @@ class ScorerRun:
         if status != 200:
             return {}
         out: dict[str, int] = {}
-        from prometheus_client.parser import text_string_to_metric_families
-
-        for fam in text_string_to_metric_families(text):
-            if fam.name != "kv_scorer_decisions":
+        for line in text.splitlines():
+            if not line.startswith("kv_scorer_decisions_total{"):
                 continue
-            for smp in fam.samples:
-                if smp.name.endswith("_total") and smp.value:
-                    r = smp.labels.get("reason", "?")
-                    out[r] = out.get(r, 0) + int(smp.value)
+            m = _REASON.search(line)
+            if m is None:
+                continue
+            try:
+                n = int(float(line.rsplit(" ", 1)[1]))
+            except (IndexError, ValueError):
+                continue
+            if n:
+                out[m.group(1)] = out.get(m.group(1), 0) + n
         return dict(sorted(out.items()))
+
+
+_REASON = re.compile(r'reason="([^"]*)"')
 
 
 def start_scorers(

@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 
 class ProcError(RuntimeError):
     """A child process did not start or exited early (the message has its log tail)."""
@@ -60,17 +58,33 @@ def http_post(url: str, body: bytes = b"", timeout: float = 5.0) -> tuple[int, s
 
 
 def metric_sums(text: str, names: Sequence[str]) -> dict[str, float]:
-    """Sum of every sample of each named metric (counters by family name, any labels)."""
-    want = set(names)
+    """Sum over all label sets of each named metric in Prometheus text format.
+
+    A counter `x` may be exposed as `x_total` (prometheus_client) or `x`; both count,
+    `x_created` does not. Parsed line by line: prometheus_client's parser mis-groups
+    counter families whose names contain ':' (vLLM's `vllm:` prefix).
+    """
+    want: dict[str, str] = {}
+    for n in names:
+        want[n] = n
+        want[n + "_total"] = n
     out = dict.fromkeys(names, 0.0)
-    for fam in text_string_to_metric_families(text):
-        if fam.name not in want:
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
             continue
-        for s in fam.samples:
-            # A counter family `x` has samples `x_total` (and `x_created`, skipped).
-            if s.name.endswith("_created"):
-                continue
-            out[fam.name] += float(s.value)
+        brace = line.find("{")
+        space = line.find(" ")
+        end = brace if 0 <= brace < space or (brace >= 0 and space < 0) else space
+        if end <= 0:
+            continue
+        base = want.get(line[:end])
+        if base is None:
+            continue
+        value = line.rsplit("}", 1)[-1].split() if brace >= 0 else line[end:].split()
+        try:
+            out[base] += float(value[0])
+        except (IndexError, ValueError):
+            continue
     return out
 
 
