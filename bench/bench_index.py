@@ -3,12 +3,20 @@
     .venv/bin/python bench/bench_index.py [--blocks 1000000] [--workers 8 64] [--reps 300]
 
 Workload: `--blocks` stored (block, worker) entries spread over W workers, delivered as
-vLLM 0.24+ messages (3 frames, msgpack batch of 4 tagged BlockStored events x 16 blocks of
-16 tokens, chained by parent hash). Applying = decode_message + Applier.apply (our keys are
-recomputed from token_ids, as in production). The probe prompt has 4,096 tokens (256 blocks):
-worker 0 holds all of it, half the workers hold its first 128 blocks.
-find_matches = BlockHasher.keys(4,096 token ids) + BlockIndex.match(keys).
-Bytes per entry: tracemalloc growth while building the index / stored (block, worker) entries.
+vLLM 0.24+ messages (3 frames, msgpack batch of tagged BlockStored events of 16 tokens per
+block, chained by parent hash). Two event shapes, as vLLM emits them (one BlockStored per
+scheduler step per request): *prefill* = 16 blocks per event, 4 events per message;
+*decode* = 1 block per event, 32 events per message (the 1-block rows). Applying =
+decode_message + Applier.apply (our keys are recomputed from token_ids, as in production);
+"apply blk/s" is wall clock, "cpu blk/s" the same run in process CPU time (the machine
+may be shared). The probe prompt has 4,096 tokens (256 blocks): worker 0 holds all of it,
+half the workers hold its first 128 blocks.
+find_matches = hashing the 4,096 token ids + BlockIndex.match(keys), twice: from a list of
+ints (`BlockHasher.keys`, includes the list → uint32 conversion) and from packed uint32
+bytes (`keys_from_bytes`: what the request path runs, scorer/tokens keeps ids packed).
+Bytes per entry: tracemalloc growth while building the index / stored (block, worker)
+entries, in the worst case (every random chain held by ONE worker) and a shared case
+(each chain held by 2-4 workers, same engine hashes).
 
 Side by side, when `ai-dynamo-runtime==1.6.1` imports: dynamo._core.RadixTree fed the same
 blocks (JSON KvCacheEvent bytes, pre-encoded, via apply_event), find_matches =
@@ -32,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scorer.blocks import BlockHasher
+from scorer.blocks import BlockHasher, tokens_to_bytes
 from scorer.events.apply import Applier
 from scorer.events.decode import decode_message
 from scorer.index import BlockIndex
@@ -44,9 +52,17 @@ PROMPT_TOKENS = 4096
 
 
 def make_workload(
-    blocks: int, workers: int, seed: int = 1
+    blocks: int,
+    workers: int,
+    seed: int = 1,
+    event_blocks: int = EVENT_BLOCKS,
+    events_per_msg: int = EVENTS_PER_MSG,
+    share: tuple[int, int] = (1, 1),
 ) -> tuple[list[int], list[tuple[str, list[bytes]]], list[tuple[int, list[Any]]]]:
-    """(probe prompt, [(endpoint, frames)], [(worker, dynamo chain events)])."""
+    """(probe prompt, [(endpoint, frames)], [(worker, dynamo chain events)]).
+
+    `blocks` counts (block, worker) entries; each random chain is held by a number of
+    workers drawn from `share` (inclusive range), with the same engine hashes on each."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 150_000, PROMPT_TOKENS, dtype=np.int64).tolist()
     enc = msgspec.msgpack.Encoder()
@@ -54,34 +70,41 @@ def make_workload(
     # (worker, tokens, first engine hash): the engines share a hash seed, so the same
     # prompt prefix has the same engine hashes on every worker (as Dynamo assumes).
     chains: list[tuple[int, list[int], int | None]] = []
+    next_shared = PROMPT_TOKENS // BS + 1  # engine hashes of chains held by several workers
     chains.append((0, prompt, 1))
     used = PROMPT_TOKENS // BS
     for w in range(1, max(2, workers // 2 + 1)):
         chains.append((w % workers, prompt[: PROMPT_TOKENS // 2], 1))
         used += PROMPT_TOKENS // 2 // BS
-    chain_blocks = EVENT_BLOCKS * EVENTS_PER_MSG * 4  # 256-block random chains
+    chain_blocks = 256  # random chains of 256 blocks
     w = 0
     while used < blocks:
-        n = min(chain_blocks, blocks - used)
+        k = min(workers, int(rng.integers(share[0], share[1] + 1)))
+        n = min(chain_blocks, -(-(blocks - used) // k))
         toks = rng.integers(0, 150_000, n * BS, dtype=np.int64).tolist()
-        chains.append((w, toks, None))
-        used += n
-        w = (w + 1) % workers
+        first = None if k == 1 else next_shared
+        if k > 1:
+            next_shared += n
+        for j in range(k):
+            chains.append(((w + j) % workers, toks, first))
+        used += n * k
+        w = (w + k) % workers
     seqs = [0] * workers
-    next_hash = PROMPT_TOKENS // BS + 1
+    next_hash = 10**12  # engine hashes of single-holder chains
     dyn: list[tuple[int, list[Any]]] = []
     for w, toks, first in chains:
         nblocks = len(toks) // BS
         own = first is None
         parent: int | None = None
         events: list[Any] = []
-        for start in range(0, nblocks, EVENT_BLOCKS):
-            end = min(nblocks, start + EVENT_BLOCKS)
+        for start in range(0, nblocks, event_blocks):
+            end = min(nblocks, start + event_blocks)
             if own:
                 hashes = list(range(next_hash, next_hash + end - start))
                 next_hash += end - start
             else:
-                hashes = list(range(1 + start, 1 + end))
+                assert first is not None
+                hashes = list(range(first + start, first + end))
             events.append(
                 {
                     "type": "BlockStored",
@@ -95,7 +118,7 @@ def make_workload(
                 }
             )
             parent = hashes[-1]
-            if len(events) == EVENTS_PER_MSG or end == nblocks:
+            if len(events) == events_per_msg or end == nblocks:
                 payload = enc.encode([time.time(), events, 0])
                 msgs.append((f"w{w}", [b"", seqs[w].to_bytes(8, "big"), payload]))
                 seqs[w] += 1
@@ -118,54 +141,111 @@ def pctl(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def run_ours(blocks: int, workers: int, reps: int, memory: bool) -> dict[str, Any]:
+def timed_apply(
+    msgs: list[tuple[str, list[bytes]]], hasher: BlockHasher
+) -> tuple[BlockIndex, float, float]:
+    """(index, wall seconds, process CPU seconds) of applying every message."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    index = apply_all(msgs, hasher)
+    return index, time.perf_counter() - t0, time.process_time() - c0
+
+
+def run_ours(blocks: int, workers: int, reps: int) -> dict[str, Any]:
     hasher = BlockHasher(BS)
     prompt, msgs, dyn = make_workload(blocks, workers)
     gc.collect()
     # The workload's own millions of objects must not be re-scanned by every GC pass.
     gc.freeze()
-    t0 = time.perf_counter()
-    index = apply_all(msgs, hasher)
-    dt = time.perf_counter() - t0
+    index, dt, dc = timed_apply(msgs, hasher)
     entries = index.total_entries()
-    # Hash + match latency of the probe prompt.
+    # Hash + match latency of the probe prompt, from a list of ints and from packed bytes.
+    packed = tokens_to_bytes(prompt)
     for _ in range(20):
         index.match(hasher.keys(prompt))
-    hash_us, match_us, total_us = [], [], []
+        index.match(hasher.keys_from_bytes(packed))
+    hl, hb, mt, tl, tb = [], [], [], [], []
     for _ in range(reps):
         a = time.perf_counter()
         keys = hasher.keys(prompt)
         b = time.perf_counter()
         res = index.match(keys)
         c = time.perf_counter()
-        hash_us.append((b - a) * 1e6)
-        match_us.append((c - b) * 1e6)
-        total_us.append((c - a) * 1e6)
-    assert res["w0"].blocks == PROMPT_TOKENS // BS
+        keys2 = hasher.keys_from_bytes(packed)
+        d = time.perf_counter()
+        index.match(keys2)
+        e = time.perf_counter()
+        hl.append((b - a) * 1e6)
+        mt.append((c - b) * 1e6)
+        tl.append((c - a) * 1e6)
+        hb.append((d - c) * 1e6)
+        tb.append((e - c) * 1e6)
+    assert keys == keys2 and res["w0"].blocks == PROMPT_TOKENS // BS
     out: dict[str, Any] = {
         "impl": "kv-scorer BlockIndex",
         "workers": workers,
+        "shape": "16 blk/ev",
         "entries": entries,
         "apply_blocks_per_s": entries / dt,
-        "hash_p50_us": statistics.median(hash_us),
-        "match_p50_us": statistics.median(match_us),
-        "find_matches_p50_us": statistics.median(total_us),
-        "find_matches_p99_us": pctl(total_us, 0.99),
+        "apply_blocks_per_cpu_s": entries / dc,
+        "hash_p50_us": statistics.median(hl),
+        "hash_bytes_p50_us": statistics.median(hb),
+        "match_p50_us": statistics.median(mt),
+        "find_matches_p50_us": statistics.median(tl),
+        "find_matches_p99_us": pctl(tl, 0.99),
+        "find_matches_bytes_p50_us": statistics.median(tb),
+        "find_matches_bytes_p99_us": pctl(tb, 0.99),
         "matched_workers": len(res),
     }
     del index
     gc.collect()
-    if memory:
-        tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0]
-        index = apply_all(msgs, hasher)
-        gc.collect()
-        after = tracemalloc.get_traced_memory()[0]
-        tracemalloc.stop()
-        out["bytes_per_entry"] = (after - before) / index.total_entries()
-        del index
     out["_dyn"] = (prompt, dyn)
     return out
+
+
+def run_decode_shape(blocks: int, workers: int) -> dict[str, Any]:
+    """Apply rate when every BlockStored carries ONE block (decode steps), 32 per message."""
+    hasher = BlockHasher(BS)
+    _, msgs, _ = make_workload(blocks, workers, event_blocks=1, events_per_msg=32)
+    gc.collect()
+    gc.freeze()
+    index, dt, dc = timed_apply(msgs, hasher)
+    entries = index.total_entries()
+    del index, msgs
+    gc.collect()
+    return {
+        "impl": "kv-scorer BlockIndex",
+        "workers": workers,
+        "shape": "1 blk/ev",
+        "entries": entries,
+        "apply_blocks_per_s": entries / dt,
+        "apply_blocks_per_cpu_s": entries / dc,
+    }
+
+
+def run_memory(blocks: int, workers: int, share: tuple[int, int]) -> dict[str, Any]:
+    """tracemalloc bytes per stored (block, worker) entry."""
+    hasher = BlockHasher(BS)
+    _, msgs, _ = make_workload(blocks, workers, share=share)
+    gc.collect()
+    gc.freeze()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    index = apply_all(msgs, hasher)
+    gc.collect()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    entries = index.total_entries()
+    blocks_stored = len(index._gpu)
+    del index, msgs
+    gc.collect()
+    return {
+        "impl": "kv-scorer BlockIndex",
+        "workers": workers,
+        "shape": f"held by {share[0]}" + ("" if share[0] == share[1] else f"-{share[1]}"),
+        "entries": entries,
+        "distinct_blocks": blocks_stored,
+        "bytes_per_entry": (after - before) / entries,
+    }
 
 
 def run_dynamo(
@@ -216,6 +296,7 @@ def run_dynamo(
     return {
         "impl": "dynamo RadixTree",
         "workers": workers,
+        "shape": "16 blk/ev",
         "entries": n_blocks,
         "apply_blocks_per_s": n_blocks / dt,
         "hash_p50_us": statistics.median(hash_us),
@@ -233,42 +314,47 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--no-dynamo", action="store_true")
+    ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "index.json"))
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     for i, w in enumerate(args.workers):
-        ours = run_ours(args.blocks, w, args.reps, memory=(i == 0))
+        ours = run_ours(args.blocks, w, args.reps)
         prompt, dyn = ours.pop("_dyn")
         rows.append(ours)
         if not args.no_dynamo:
             rows.append(run_dynamo(prompt, dyn, w, args.reps))
         del prompt, dyn
         gc.collect()
+        if i == 0:
+            rows.append(run_decode_shape(args.blocks, w))
+    if not args.no_memory:
+        w0 = args.workers[0]
+        rows.append(run_memory(args.blocks, w0, (1, 1)))
+        for w in args.workers:
+            rows.append(run_memory(args.blocks, w, (2, 4)))
     cols = [
-        ("impl", "{:<22}"), ("workers", "{:>7}"), ("entries", "{:>9}"),
-        ("apply_blocks_per_s", "{:>12,.0f}"), ("hash_p50_us", "{:>9.1f}"),
-        ("match_p50_us", "{:>9.1f}"), ("find_matches_p50_us", "{:>10.1f}"),
-        ("find_matches_p99_us", "{:>10.1f}"), ("bytes_per_entry", "{:>9.1f}"),
+        ("impl", "{:<20}"), ("workers", "{:>3}"), ("shape", "{:>11}"), ("entries", "{:>8}"),
+        ("apply_blocks_per_s", "{:>11,.0f}"), ("apply_blocks_per_cpu_s", "{:>11,.0f}"),
+        ("hash_p50_us", "{:>6.1f}"), ("hash_bytes_p50_us", "{:>6.1f}"),
+        ("match_p50_us", "{:>6.1f}"), ("find_matches_p50_us", "{:>7.1f}"),
+        ("find_matches_bytes_p50_us", "{:>7.1f}"), ("find_matches_bytes_p99_us", "{:>7.1f}"),
+        ("bytes_per_entry", "{:>7.1f}"),
     ]  # fmt: skip
-    heads = ["impl", "workers", "entries", "apply blk/s", "hash p50", "match p50",
-             "h+m p50 µs", "h+m p99 µs", "B/entry"]  # fmt: skip
-    print(
-        " ".join(
-            f"{h:>{len(f.format(0) if 'f' in f else f.format(''))}}"
-            for h, (_, f) in zip(heads, cols, strict=True)
-        )
-    )
+    heads = ["impl", "W", "shape", "entries", "apply blk/s", "cpu blk/s", "h(ls)",
+             "h(by)", "match", "h+m ls", "h+m by", "p99 by", "B/entry"]  # fmt: skip
+    widths = [len(f.format(0) if "f" in f else f.format("")) for _, f in cols]
+    print(" ".join(f"{h:>{n}}" for h, n in zip(heads, widths, strict=True)))
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:<22} {r['workers']:>7}  {r['error']}")
+            print(f"{r['impl']:<20} {r['workers']:>3}  {r['error']}")
             continue
         cells = []
-        for key, f in cols:
+        for (key, f), n in zip(cols, widths, strict=True):
             v = r.get(key)
-            cells.append(
-                f.format(v) if v is not None else f"{'-':>{len(f.format(0)) if 'f' in f else 9}}"
-            )
+            cells.append(f.format(v) if v is not None else f"{'-':>{n}}")
         print(" ".join(cells))
+    print("h(ls)/h(by): hashing 4,096 tokens from a list / from packed uint32 bytes; h+m: + match")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"blocks": args.blocks, "rows": rows}, indent=2))

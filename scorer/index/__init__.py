@@ -35,6 +35,7 @@ from prometheus_client import Counter, Gauge
 from scorer.config import IndexConfig
 
 MEDIA = ("GPU", "CPU", "DISK")
+_MASK_CACHE = 1 << 16
 
 INDEX_ENTRIES = Gauge(
     "kv_scorer_index_entries", "Stored (block, worker) entries in the block index", ["medium"]
@@ -140,6 +141,10 @@ class BlockIndex:
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._by_bit: list[_Slot] = []
         self._bit_obj: list[int] = []  # one shared int object per slot bit
+        # Canonical objects of multi-holder masks (bounded: with many workers the number
+        # of distinct holder sets can grow without limit; past the bound masks are stored
+        # as they come).
+        self._masks: dict[int, int] = {}
         self._ep_mask: dict[str, int] = {}
         self._all_mask = 0
         self.max_blocks = self.config.max_blocks_per_worker
@@ -157,9 +162,19 @@ class BlockIndex:
             self._slots[key] = s
             self._by_bit.append(s)
             self._bit_obj.append(1 << bit)
+            self._masks[1 << bit] = self._bit_obj[bit]
             self._ep_mask[endpoint] = self._ep_mask.get(endpoint, 0) | (1 << bit)
             self._all_mask |= 1 << bit
         return s
+
+    def _canon(self, mask: int) -> int:
+        """The shared int object for `mask` (cached while the cache is under its bound)."""
+        c = self._masks.get(mask)
+        if c is not None:
+            return c
+        if len(self._masks) < _MASK_CACHE:
+            self._masks[mask] = mask
+        return mask
 
     def endpoints(self) -> list[str]:
         """Endpoints the index has seen (events or speculative inserts)."""
@@ -195,9 +210,12 @@ class BlockIndex:
         new = len(d) - before
         if masks.count(bit) != len(masks):
             # Some blocks are held by other workers too: add our bit to those masks.
+            canon = self._masks
             for k, m in zip(keys, masks, strict=True):
                 if not m & bit:
-                    d[k] = m | bit
+                    m |= bit
+                    # Equal masks share one int object (memory: one per block otherwise).
+                    d[k] = canon.get(m) or self._canon(m)
                     new += 1
         if new:
             s.counts[medium] += new
@@ -229,7 +247,7 @@ class BlockIndex:
             if m & bit:
                 m ^= bit
                 if m:
-                    d[k] = m
+                    d[k] = self._masks.get(m) or self._canon(m)
                 else:
                     del d[k]
                 removed += 1
@@ -251,7 +269,7 @@ class BlockIndex:
                 if m & bit:
                     m ^= bit
                     if m:
-                        d[k] = m
+                        d[k] = self._masks.get(m) or self._canon(m)
                     else:
                         del d[k]
                     n += 1

@@ -93,3 +93,33 @@ def test_cpu_copies_elsewhere_cost_nothing_for_a_gpu_prompt() -> None:
     got = idx.match(KEYS)
     assert got["w3"] == Match(12, {"GPU": 11, "CPU": 1}, pytest.approx(11.3))
     assert got["w4"].by_medium == {"GPU": 12}
+
+
+def test_entries_gauge_is_read_from_the_live_index() -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(medium: str) -> float:
+        v = REGISTRY.get_sample_value("kv_scorer_index_entries", {"medium": medium})
+        return 0.0 if v is None else v
+
+    gpu0, cpu0 = sample("GPU"), sample("CPU")
+    idx = BlockIndex()
+    idx.add("a", 0, range(5), KEYS[:5])
+    idx.add("b", 0, range(3), KEYS[:3])
+    idx.add("a", 0, [50], KEYS[:1], "CPU")
+    assert sample("GPU") - gpu0 == 8 and sample("CPU") - cpu0 == 1
+    idx.remove("a", 0, [0, 1])
+    idx.purge("b")
+    assert sample("GPU") - gpu0 == 3 and sample("CPU") - cpu0 == 1
+
+
+def test_shared_masks_are_one_object_and_stay_exact() -> None:
+    idx = BlockIndex()
+    for w in ("a", "b", "c"):
+        idx.add(w, 0, range(12), KEYS)
+    masks = [idx._gpu[k] for k in KEYS]
+    assert all(m is masks[0] for m in masks) and masks[0] == 0b111
+    idx.remove("b", 0, range(6))
+    assert [idx._gpu[k] for k in KEYS] == [0b101] * 6 + [0b111] * 6
+    assert idx._gpu[KEYS[0]] is idx._gpu[KEYS[5]]
+    assert {ep: m.blocks for ep, m in idx.match(KEYS).items()} == {"a": 12, "c": 12}
