@@ -199,6 +199,7 @@ class H2Stream:
         "_msgs",
         "_waiter",
         "conn",
+        "handler",
         "headers",
         "path",
         "send_window",
@@ -229,6 +230,7 @@ class H2Stream:
         self._cancelled = False
         self._credit = 0  # received bytes not yet returned with WINDOW_UPDATE
         self._deserialize = deserialize
+        self.handler: Handler | None = None  # set until the handler task starts
 
     # ------------------------------------------------------------ servicer side
 
@@ -302,7 +304,11 @@ class H2Stream:
                 return "stream ended inside a message"
             self._msgs.append(EOF)
         if self._msgs:
-            self._wake()
+            if self.handler is not None:
+                self.task = self.conn.loop.create_task(self.conn.server.run(self, self.handler))
+                self.handler = None
+            else:
+                self._wake()
         return None
 
     def on_reset(self) -> None:
@@ -591,9 +597,11 @@ class H2Connection(asyncio.Protocol):
             stream._half_closed = end
             stream.finish(12, f"method {path} not implemented")  # UNIMPLEMENTED
             return True
+        # The handler starts with the first message (or the end of the request), as
+        # grpcio does: an answer never races the client's first write.
+        stream.handler = target[0]
         if end:
             stream.on_data(b"", 0, True)
-        stream.task = self.loop.create_task(self.server.run(stream, target[0]))
         return True
 
     def on_settings(self, flags: int, sid: int, payload: memoryview) -> bool:

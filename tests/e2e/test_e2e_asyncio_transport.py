@@ -1,0 +1,97 @@
+"""End to end with `server.extproc_transport: asyncio` behind a real Envoy: the whole
+test_e2e_envoy suite again (the `scorer` fixture below overrides conftest's for the
+imported tests), plus track_responses off and a streaming response surviving shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest_asyncio
+from e2e_helpers import Backend, scorer_config
+from test_e2e_envoy import *  # noqa: F403  (re-run the suite on this transport)
+from test_e2e_envoy import body
+
+from scorer.app import App
+from scorer.envoyproc import EnvoyProcess, render_envoy_config
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def scorer(backends: list[Backend]) -> AsyncIterator[App]:
+    cfg = scorer_config(
+        [b.endpoint for b in backends],
+        server={
+            "host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
+            "grace_period_s": 0.5, "extproc_transport": "asyncio",
+        },
+    )  # fmt: skip
+    app = App(cfg)
+    await app.start()
+    assert app.extproc_h2 is not None
+    try:
+        yield app
+    finally:
+        await app.stop()
+
+
+async def test_asyncio_track_responses_off_and_buffered(backends: list[Backend]) -> None:
+    cfg = scorer_config(
+        [b.endpoint for b in backends],
+        server={"host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
+                "extproc_transport": "asyncio"},
+        extproc={"track_responses": False},
+    )  # fmt: skip
+    app = App(cfg)
+    await app.start()
+    try:
+        for mode in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+            envoy_cfg = render_envoy_config(
+                0, app.extproc_port, 0, body_mode=mode, track_responses=False
+            )
+            async with EnvoyProcess(envoy_cfg) as e, aiohttp.ClientSession() as s:
+                url = f"http://127.0.0.1:{e.listener_port}/v1/completions"
+                seen = set()
+                for _ in range(6):
+                    async with s.post(url, data=body()) as r:
+                        assert r.status == 200, await r.text()
+                        seen.add(json.loads(await r.text())["backend"])
+                assert seen == {"b0", "b1", "b2"}
+                stats = await asyncio.to_thread(e.stats, "http.main.ext_proc.")
+                assert stats.get("http.main.ext_proc.streams_failed", 0) == 0, stats
+                for k in ("streams_failed", "failure_mode_allowed", "message_timeouts"):
+                    assert stats.get(f"http.main.ext_proc.{k}", 0) == 0, (k, stats)
+                # Our early close (trailers + RST_STREAM NO_ERROR) ends every stream cleanly.
+                assert stats["http.main.ext_proc.streams_closed"] == 6, stats
+        assert len(app.pool.inflight) == 0
+    finally:
+        await app.stop()
+
+
+async def test_asyncio_streaming_response_survives_scorer_shutdown(
+    backends: list[Backend],
+) -> None:
+    cfg = scorer_config(
+        [backends[0].endpoint],
+        server={"host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
+                "extproc_transport": "asyncio"},
+    )  # fmt: skip
+    app = App(cfg)
+    await app.start()
+    stopped = False
+    try:
+        async with EnvoyProcess(render_envoy_config(0, app.extproc_port, 0)) as e:
+            url = f"http://127.0.0.1:{e.listener_port}/sse"
+            backends[0].release.clear()
+            async with aiohttp.ClientSession() as s, s.post(url, data=body()) as r:
+                assert (await asyncio.wait_for(r.content.readline(), 5)).startswith(b"data:")
+                app.config.server.grace_period_s = 0.2
+                await app.stop()
+                stopped = True
+                backends[0].release.set()
+                rest = await asyncio.wait_for(r.read(), 5)
+            assert b"[DONE]" in rest
+    finally:
+        if not stopped:
+            await app.stop()

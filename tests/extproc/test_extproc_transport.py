@@ -1,0 +1,366 @@
+"""The asyncio HTTP/2 transport (`server.extproc_transport: asyncio`).
+
+1. The whole ext_proc contract suite again, over a real grpcio channel to this transport
+   (the `harness` fixture below overrides conftest's for the imported tests).
+2. Transport behaviour a gRPC client relies on: many concurrent streams, 8 MB bodies both
+   ways (flow control against grpcio's small windows), status codes and percent-encoded
+   messages, cancellation, unknown methods, size limits, graceful stop.
+3. Frame-level checks with a raw socket: one write per answer, RST_STREAM(NO_ERROR) after
+   an early answer, PING, bad preface, GOAWAY, and the HPACK block cache staying correct
+   when the dynamic table changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from extproc_helpers import PM, WORKERS, body_msg, headers_msg, make_config
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hpack import Encoder
+from test_extproc_contract import *  # noqa: F403  (re-run the contract on this transport)
+from test_extproc_contract import completion, read
+
+from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
+from scorer.app import App
+from scorer.extproc import transport as T
+from scorer.extproc.transport import H2GrpcServer, H2Stream
+
+EOF_ = grpc.aio.EOF
+
+
+class Harness:
+    def __init__(self, app: App, channel: grpc.aio.Channel) -> None:
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+        self.app = app
+        self.channel = channel
+        self.stub = ep_grpc.ExternalProcessorStub(channel)
+
+    def stream(self) -> Any:
+        return self.stub.Process()
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    """Like conftest's, with `server.extproc_transport: asyncio`."""
+    started: list[tuple[App, grpc.aio.Channel]] = []
+
+    async def make(**over: Any) -> Harness:
+        server = {"extproc_transport": "asyncio", **over.pop("server", {})}
+        app = App(make_config(server=server, **over))
+        await app.start()
+        assert app.extproc_h2 is not None and app.extproc_server is None
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
+        started.append((app, ch))
+        return Harness(app, ch)
+
+    try:
+        yield make
+    finally:
+        for app, ch in started:
+            await ch.close()
+            app.config.server.grace_period_s = 0.5
+            await app.stop()
+
+
+# ---------------------------------------------------------------- through the App
+
+
+async def test_scorer_and_health_served_on_the_health_port(harness) -> None:
+    h = await harness()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{h.app.health_port}") as ch:
+        r = await scorer_pb2_grpc.ScorerStub(ch).Score(scorer_pb2.ScoreRequest(model="m"))
+        assert r.status == 200 and r.endpoints[0] in WORKERS
+        hc = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+        assert hc.status == health_pb2.HealthCheckResponse.SERVING
+    # The ext_proc port serves only ext_proc now.
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await scorer_pb2_grpc.ScorerStub(h.channel).Score(scorer_pb2.ScoreRequest(model="m"))
+    assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_many_concurrent_streams(harness) -> None:
+    h = await harness()
+
+    async def one(i: int) -> str:
+        call = h.stream()
+        await call.write(headers_msg({"x-request-id": f"c{i}"}))
+        await call.write(body_msg(completion(), True))
+        hr = await read(call)
+        b = await read(call)
+        assert b.request_body.response.body_mutation.streamed_response.body == completion()
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 5) is EOF_
+        assert await call.code() == grpc.StatusCode.OK
+        return hr.request_headers.response.header_mutation.set_headers[0].header.raw_value.decode()
+
+    dests = await asyncio.gather(*(one(i) for i in range(120)))
+    assert {dests.count(w) for w in set(dests)} == {40}  # round robin over 3 workers
+    assert len(h.app.pool.inflight) == 0
+
+
+async def test_8mb_body_both_ways_full_duplex(harness) -> None:
+    h = await harness()
+    payload = b'{"model": "m", "prompt": "' + bytes(range(97, 123)) * 322_638 + b'"}'
+    assert len(payload) > 8 * 1024 * 1024
+    call = h.stream()
+    await call.write(headers_msg({}))
+    step = 64 * 1024
+    for i in range(0, len(payload), step):
+        await call.write(body_msg(payload[i : i + step], i + step >= len(payload)))
+    hr = await read(call)
+    assert hr.HasField("request_headers")
+    got = []
+    while True:
+        r = await read(call)
+        sr = r.request_body.response.body_mutation.streamed_response
+        assert len(sr.body) <= 62_000
+        got.append(sr.body)
+        if sr.end_of_stream:
+            break
+    assert b"".join(got) == payload
+    await call.done_writing()
+    assert await asyncio.wait_for(call.read(), 5) is EOF_
+
+
+async def test_8mb_buffered_body_in_one_message(harness) -> None:
+    h = await harness(extproc={"track_responses": False})
+    payload = b'{"model": "m", "prompt": "' + b"x" * (8 * 1024 * 1024) + b'"}'
+    call = h.stream()
+    await call.write(headers_msg({}, body_mode=PM.BUFFERED))
+    await read(call)
+    await call.write(body_msg(payload, True))
+    r = await read(call)
+    assert r.request_body.response.header_mutation.set_headers[0].header.raw_value
+    assert await asyncio.wait_for(call.read(), 5) is EOF_
+    assert await call.code() == grpc.StatusCode.OK
+
+
+# ---------------------------------------------------------------- the bare transport
+
+PATH = "/test.Echo/Stream"
+
+
+async def echo(_: Any, s: H2Stream) -> None:
+    """Echo every message; b"abort" aborts, b"boom" raises, b"hang" waits forever."""
+    while True:
+        m = await s.read()
+        if m is EOF_:
+            return
+        if m == b"abort":
+            await s.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now: héllo 100%")
+        if m == b"boom":
+            raise RuntimeError("boom")
+        if m == b"hang":
+            await asyncio.Event().wait()
+        if m == b"header":
+            await s.write(dict(s.headers).get("x-k", "").encode())
+            continue
+        await s.write(m)
+
+
+@pytest.fixture
+async def bare() -> AsyncIterator[tuple[H2GrpcServer, int]]:
+    server = H2GrpcServer(max_message=1024 * 1024)
+    server.add_handler(PATH, echo)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield server, port
+    finally:
+        await server.stop(0.1)
+
+
+def raw_call(ch: grpc.aio.Channel, path: str = PATH) -> Any:
+    return ch.stream_stream(path, request_serializer=None, response_deserializer=None)()
+
+
+async def test_echo_status_and_messages(bare) -> None:
+    _, port = bare
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = raw_call(ch)
+        for m in (b"", b"a", b"b" * 100_000):
+            await call.write(m)
+            assert await call.read() == m
+        await call.done_writing()
+        assert await call.read() is EOF_
+        assert await call.code() == grpc.StatusCode.OK
+
+        async def status_of(msg: bytes | None, path: str = PATH) -> tuple[Any, str]:
+            call = raw_call(ch, path)
+            if msg is not None:
+                await call.write(msg)
+            await call.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call.read()
+            return await call.code(), await call.details()
+
+        # grpc-message is percent-encoded on the wire and decoded by the client.
+        code, details = await status_of(b"abort")
+        assert (code, details) == (grpc.StatusCode.FAILED_PRECONDITION, "not now: héllo 100%")
+        assert (await status_of(b"boom"))[0] == grpc.StatusCode.UNKNOWN
+        code, _ = await status_of(b"x" * (1024 * 1024 + 1))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await status_of(None, "/test.Echo/Nope"))[0] == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_client_cancel_cancels_the_handler(bare) -> None:
+    server, port = bare
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = raw_call(ch)
+        await call.write(b"ping")
+        assert await call.read() == b"ping"
+        await call.write(b"hang")
+        for _ in range(100):
+            if server.tasks:
+                break
+            await asyncio.sleep(0.01)
+        (task,) = server.tasks
+        call.cancel()
+        await asyncio.wait_for(asyncio.wait({task}), 5)
+        assert task.done() and not server.tasks
+
+
+async def test_graceful_stop_finishes_open_streams_and_refuses_new_ones(bare) -> None:
+    server, port = bare
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        call = raw_call(ch)
+        await call.write(b"a")
+        assert await call.read() == b"a"
+        stopping = asyncio.create_task(server.stop(5))
+        await asyncio.sleep(0.05)
+        await call.write(b"b")  # the open stream still works during the grace period
+        assert await call.read() == b"b"
+        await call.done_writing()
+        assert await call.read() is EOF_
+        assert await call.code() == grpc.StatusCode.OK
+        await asyncio.wait_for(stopping, 5)
+        call = raw_call(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call.write(b"c")
+            await call.read()
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class RawClient:
+    """A bare HTTP/2 client: enough to look at the frames the server sends."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.enc = Encoder()
+        self.buf = b""
+        self.sock.sendall(T.PREFACE + T.frame(T.SETTINGS, 0, 0))
+
+    def headers(self, sid: int, extra: list[tuple[str, str]], end: bool = False) -> bytes:
+        hs = [(":method", "POST"), (":scheme", "http"), (":path", PATH),
+              (":authority", "t"), ("content-type", "application/grpc"), *extra]  # fmt: skip
+        block = self.enc.encode(hs)
+        return T.frame(T.HEADERS, T.END_HEADERS | (T.END_STREAM if end else 0), sid, block)
+
+    @staticmethod
+    def message(sid: int, data: bytes, end: bool = False) -> bytes:
+        return T.frame(
+            T.DATA, T.END_STREAM if end else 0, sid, struct.pack(">BI", 0, len(data)) + data
+        )
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frames(
+        self, until: Callable[[int, int, int, bytes], bool]
+    ) -> list[tuple[int, int, int, bytes]]:
+        out = []
+        while True:
+            while len(self.buf) < 9 or len(self.buf) < 9 + (int.from_bytes(self.buf[:3], "big")):
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return out
+                self.buf += chunk
+            n = int.from_bytes(self.buf[:3], "big")
+            f = (
+                self.buf[3],
+                self.buf[4],
+                int.from_bytes(self.buf[5:9], "big"),
+                self.buf[9 : 9 + n],
+            )
+            self.buf = self.buf[9 + n :]
+            out.append(f)
+            if until(*f):
+                return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def test_frames_of_an_early_answer(bare) -> None:
+    _, port = bare
+    c = RawClient(port)
+    try:
+        # The client does not half-close: the server answers, ends its side, then stops
+        # the client's half with RST_STREAM(NO_ERROR) (RFC 9113 §8.1).
+        await asyncio.to_thread(c.send, c.headers(1, []) + c.message(1, b"abort"))
+        fs = await asyncio.to_thread(c.frames, lambda t, fl, sid, p: t == T.RST_STREAM)
+        kinds = [(t, sid) for t, _, sid, _ in fs if t not in (T.SETTINGS, T.WINDOW_UPDATE)]
+        assert kinds == [(T.HEADERS, 1), (T.RST_STREAM, 1)]  # Trailers-Only, then reset
+        assert fs[-1][3] == struct.pack(">I", T.NO_ERROR)
+        # PING is answered with the same payload.
+        await asyncio.to_thread(c.send, T.frame(T.PING, 0, 0, b"12345678"))
+        fs = await asyncio.to_thread(c.frames, lambda t, fl, sid, p: t == T.PING)
+        assert fs[-1][1] == T.ACK and fs[-1][3] == b"12345678"
+    finally:
+        c.close()
+
+
+async def test_hpack_cache_follows_dynamic_table_changes(bare) -> None:
+    _, port = bare
+    c = RawClient(port)
+    try:
+        got = []
+        for sid, value in ((1, "v1"), (3, "v1"), (5, "v2"), (7, "v2"), (9, "v1")):
+            # The encoder indexes x-k: the same value repeats as a one-byte indexed field
+            # whose meaning depends on the dynamic table (cached until it changes).
+            frames = c.headers(sid, [("x-k", value)]) + c.message(sid, b"header", end=True)
+            await asyncio.to_thread(c.send, frames)
+            fs = await asyncio.to_thread(
+                c.frames,
+                lambda t, fl, s, p, sid=sid: s == sid and t == T.HEADERS and fl & T.END_STREAM,
+            )
+            data = [p for t, _, s, p in fs if t == T.DATA and s == sid]
+            got.append(data[0][5:].decode())
+        assert got == ["v1", "v1", "v2", "v2", "v1"]
+        assert T.table_neutral(c.enc.encode([(":method", "POST"), ("x-k", "v1")]))
+        assert not T.table_neutral(c.enc.encode([("x-new", "1")]))
+    finally:
+        c.close()
+
+
+async def test_bad_preface_closes_the_connection(bare) -> None:
+    _, port = bare
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        await asyncio.to_thread(s.sendall, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+
+        def drain() -> bytes:
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+        data = await asyncio.to_thread(drain)
+        assert struct.pack(">B", T.GOAWAY) in data[3:4] or T.GOAWAY in {
+            data[i + 3] for i in range(0, len(data) - 9)
+        }
+    finally:
+        s.close()
+
+
+def test_status_trailers_encoding() -> None:
+    assert T.status_trailers(0) == b"\x00\x0bgrpc-status\x010"
+    block = T.status_trailers(14, "a%b\n")
+    assert block.endswith(b"\x0cgrpc-message\x08a%25b%0A")
+    assert T._hpack_int(1337, 5, 0) == bytes([31, 154, 10])  # RFC 7541 C.1.2
