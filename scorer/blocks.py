@@ -136,9 +136,11 @@ class BlockHasher:
         # Inlined fast path (this runs for every BlockStored and every request): one C-level
         # conversion to uint32 bytes, then one xxh3 call per block.
         buf = array("I", token_ids if n * bs == len(token_ids) else token_ids[: n * bs]).tobytes()
-        stride = self._stride
-        h = _xxh3
         prev = ((0 if parent is None else parent) ^ namespace) & MASK64
+        h = _xxh3
+        if n == 1:  # one block (a decode step's event): no loop
+            return [h(buf, prev)]
+        stride = self._stride
         return [prev := h(buf[o : o + stride], prev) for o in range(0, len(buf), stride)]
 
     def keys_from_bytes(

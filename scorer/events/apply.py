@@ -97,6 +97,26 @@ def _engine_keys(hashes: list[Any]) -> list[int]:
     return out
 
 
+class _Pending:
+    """BlockStored blocks of one batch not yet handed to the index (one medium)."""
+
+    __slots__ = ("ekeys", "endpoint", "index", "keys", "medium", "rank")
+
+    def __init__(self, endpoint: str, rank: int | None, index: BlockIndex) -> None:
+        self.endpoint = endpoint
+        self.rank = rank
+        self.index = index
+        self.medium: str | None = None
+        self.ekeys: list[int] = []
+        self.keys: list[int] = []
+
+    def flush(self) -> None:
+        if self.keys:
+            self.index.add(self.endpoint, self.rank, self.ekeys, self.keys, self.medium or "GPU")
+            self.ekeys = []
+            self.keys = []
+
+
 class Applier:
     """Applies decoded batches for any number of workers to one index."""
 
@@ -119,19 +139,29 @@ class Applier:
         st = self._st(endpoint)
         # Metrics are counted per batch, not per event: a prometheus inc takes a lock.
         ok_events = ok_blocks = 0
+        # Consecutive BlockStored events of one medium go to the index in ONE add (decode
+        # steps send one 1-block event per request): `pend` holds them until a different
+        # event, medium or an unknown parent (maybe pending) needs the index up to date.
+        pend = _Pending(endpoint, r, self.index)
         stored = self._stored
         for ev in batch.events:
             if type(ev) is BlockStored:
-                n = stored(endpoint, r, ev, st)
+                if ev.medium != pend.medium:
+                    pend.flush()
+                    pend.medium = ev.medium
+                n = stored(endpoint, r, ev, st, pend)
                 if n:
                     ok_events += 1
                     ok_blocks += n
-            elif type(ev) is BlockRemoved:
+                continue
+            pend.flush()
+            if type(ev) is BlockRemoved:
                 self._removed(endpoint, r, ev, st)
             elif isinstance(ev, AllBlocksCleared):
                 self.index.clear(endpoint, r or 0)
                 st.cleared += 1
                 _APPLIED["AllBlocksCleared", "ok"].inc()
+        pend.flush()
         if ok_events:
             st.stored += ok_blocks
             _APPLIED["BlockStored", "ok"].inc(ok_events)
@@ -143,8 +173,10 @@ class Applier:
             setattr(st, outcome, getattr(st, outcome) + 1)
         return 0
 
-    def _stored(self, ep: str, rank: int | None, ev: BlockStored, st: ApplyStats) -> int:
-        """Index one BlockStored; returns the blocks indexed (0: skipped, counted)."""
+    def _stored(
+        self, ep: str, rank: int | None, ev: BlockStored, st: ApplyStats, pend: _Pending
+    ) -> int:
+        """Index one BlockStored (via `pend`); returns the blocks indexed (0: skipped)."""
         if ev.group_idx:  # hybrid models: index the first KV-cache group only
             return self._fail(st, "other_group")
         hasher = self.hasher
@@ -169,7 +201,14 @@ class Applier:
                 pk = ph & MASK60 if type(ph) is int else engine_key(ph)
             except TypeError:
                 return self._fail(st, "unknown_parent")
-            parent = index.lookup_engine(ep, rank, pk)
+            pe = pend.ekeys
+            if pe and pk == pe[-1]:
+                parent = pend.keys[-1]  # continues the previous event's chain (prefill)
+            else:
+                parent = index.lookup_engine(ep, rank, pk)
+                if parent is None and pe:
+                    pend.flush()  # the parent may be pending
+                    parent = index.lookup_engine(ep, rank, pk)
             if parent is None:
                 # A chain we cannot place (its parent was never seen or already evicted).
                 return self._fail(st, "unknown_parent")
@@ -190,7 +229,8 @@ class Applier:
             ekeys = _engine_keys(hashes if n == len(hashes) else hashes[:n])
         except (TypeError, ValueError):
             return self._fail(st, "bad_tokens")
-        index.add(ep, rank, ekeys, keys, ev.medium)
+        pend.ekeys += ekeys
+        pend.keys += keys
         return n
 
     def _keys(self, ev: BlockStored, n: int, parent: int | None) -> list[int]:
