@@ -3,7 +3,9 @@
 Layout (built for 64+ workers and millions of blocks):
 
 * every (endpoint, dp_rank) gets a *slot*: one bit in a python-int bitmask;
-* one dict per medium (GPU, CPU, DISK): our block key → bitmask of the slots holding it;
+* one dict per medium (GPU, CPU, DISK): our block key → bitmask of the slots holding it
+  (a single holder's mask is the slot's one shared bit object; equal multi-holder masks
+  share one object too, up to a bounded cache, so masks cost ~no memory per block);
 * one dict per slot: engine block hash (`scorer.blocks.engine_key`) → our key, to map
   `BlockRemoved` and `parent_block_hash` back into our hash space;
 * speculative entries (a request just routed there; its blocks are being computed) live in
@@ -84,12 +86,30 @@ class _Slot:
     purges: int = 0
 
 
-def _bits(mask: int) -> Iterable[int]:
-    """Indices of the set bits of `mask`."""
+# _BYTE_BITS[j][v]: the bit indices set in byte value v at byte position j (slots 0-127).
+_BYTE_BITS = [
+    [tuple(8 * j + i for i in range(8) if v >> i & 1) for v in range(256)] for j in range(16)
+]
+
+
+def _bits(mask: int) -> list[int]:
+    """Indices of the set bits of `mask` (ascending)."""
+    if not mask & (mask - 1):  # 0 or one bit: the common case of a single dropout
+        return [mask.bit_length() - 1] if mask else []
+    nbytes = (mask.bit_length() + 7) // 8
+    if nbytes <= len(_BYTE_BITS):
+        # One table lookup per byte instead of three big-int operations per bit.
+        out: list[int] = []
+        for j, v in enumerate(mask.to_bytes(nbytes, "little")):
+            if v:
+                out += _BYTE_BITS[j][v]
+        return out
+    res = []
     while mask:
         low = mask & -mask
-        yield low.bit_length() - 1
+        res.append(low.bit_length() - 1)
         mask ^= low
+    return res
 
 
 def _depths(masks: list[int], allowed: int) -> tuple[dict[int, int], list[int], list[int]]:
@@ -140,6 +160,8 @@ class BlockIndex:
         self._spec_seq = itertools.count()
         self._slots: dict[tuple[str, int], _Slot] = {}
         self._by_bit: list[_Slot] = []
+        self._bit_ep: list[str] = []  # slot bit → endpoint
+        self._ranked = False  # True once an endpoint has a second slot (dp rank)
         self._bit_obj: list[int] = []  # one shared int object per slot bit
         # Canonical objects of multi-holder masks (bounded: with many workers the number
         # of distinct holder sets can grow without limit; past the bound masks are stored
@@ -161,6 +183,9 @@ class BlockIndex:
             s = _Slot(endpoint, rank or 0, bit)
             self._slots[key] = s
             self._by_bit.append(s)
+            self._bit_ep.append(endpoint)
+            if endpoint in self._ep_mask:
+                self._ranked = True
             self._bit_obj.append(1 << bit)
             self._masks[1 << bit] = self._bit_obj[bit]
             self._ep_mask[endpoint] = self._ep_mask.get(endpoint, 0) | (1 << bit)
@@ -405,16 +430,22 @@ class BlockIndex:
             return {}
         wg = self._wg
         out: dict[str, Match] = {}
-        by_bit = self._by_bit
+        eps = self._bit_ep
         shared: dict[int, Match] = {}  # one Match per distinct depth
+        if self._ranked:  # an endpoint may have several slots (dp ranks): keep its best
+            for b, c in counts.items():
+                cur = out.get(eps[b])
+                if cur is None or c > cur.blocks:
+                    m = shared.get(c)
+                    if m is None:
+                        m = shared[c] = Match(c, {"GPU": c}, c * wg)
+                    out[eps[b]] = m
+            return out
         for b, c in counts.items():
-            ep = by_bit[b].endpoint
-            cur = out.get(ep)
-            if cur is None or c > cur.blocks:
-                m = shared.get(c)
-                if m is None:
-                    m = shared[c] = Match(c, {"GPU": c}, c * wg)
-                out[ep] = m
+            m = shared.get(c)
+            if m is None:
+                m = shared[c] = Match(c, {"GPU": c}, c * wg)
+            out[eps[b]] = m
         return out
 
     def _match_media(self, keys: Sequence[int], allowed: int) -> dict[str, Match]:
