@@ -1,6 +1,7 @@
 """What the ext_proc data path costs: Envoy + kv-scorer vs Envoy straight to the backend.
 
-    .venv/bin/python bench/bench_extproc.py [--seconds 3] [--quick]
+    .venv/bin/python bench/bench_extproc.py [--seconds 3] [--quick] [--transport asyncio,grpcio]
+    .venv/bin/python bench/bench_extproc.py --cpu 3000     # CPU µs per stream only (low noise)
 
 Processes (all real, all on loopback): one aiohttp echo backend, `kv-scorer serve`
 (separate process, round_robin, so its CPU time can be read from /proc), and one Envoy
@@ -8,11 +9,20 @@ with two listeners: `main` (ext_proc FULL_DUPLEX_STREAMED → scorer → ORIGINA
 `direct` (static cluster → the same backend). The two are measured in the same run,
 interleaved in rounds so machine noise hits both. The scorer runs twice: with
 `extproc.track_responses` on (stream kept open to the end of the response) and off
-(stream closed right after the routing answer).
+(stream closed right after the routing answer), once per `server.extproc_transport`
+(asyncio: our HTTP/2 server; grpcio: grpc.aio).
 
 Cells: body 2 KB / 32 KB x concurrency 1 / 16. Reports p50/p99 latency of each path, the
-added p50/p99 (main - direct), requests/s, and scorer CPU µs per request (utime+stime
-from /proc/PID/stat over the main-path requests). Writes bench/out/extproc.json.
+added p50/p99 (main - direct), requests/s, scorer CPU µs per request (utime+stime
+from /proc/PID/stat over the main-path requests) and the ext_proc messages per request
+each way (Envoy's stream_msgs_sent / stream_msgs_received). Writes
+bench/out/extproc.json.
+
+`--cpu N`: only the scorer's CPU per stream, the number to compare variants on a noisy
+machine: per transport x track_responses x body mode, N sequential requests (one
+connection) through Envoy, repeated `--reps` times; reports the minimum and median
+(CPU time is far less sensitive to other load than latency; the minimum is the run least
+disturbed). Writes bench/out/extproc_cpu.json.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from scorer.envoyproc import EnvoyProcess, render_envoy_config  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]
 READY = re.compile(r"ext_proc=[\d.]+:(\d+) health=[\d.]+:(\d+) admin=[\d.]+:(\d+)")
 
 
@@ -79,9 +90,18 @@ def start_backend() -> tuple[subprocess.Popen[str], int]:
     return p, int(line.split()[1])
 
 
-def start_scorer(backend: str, track: bool) -> tuple[subprocess.Popen[str], int]:
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(utime, stime) in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def start_scorer(
+    backend: str, track: bool, transport: str = "asyncio"
+) -> tuple[subprocess.Popen[str], int]:
     env = dict(os.environ)
     env["KV_SCORER_EXTPROC__TRACK_RESPONSES"] = "true" if track else "false"
+    env["KV_SCORER_SERVER__EXTPROC_TRANSPORT"] = transport
     env["KV_SCORER_DECISIONS__LOG_SIZE"] = "1000"
     custom = os.environ.get("BENCH_SCORER_CMD")  # experiments: another ext_proc server
     cmd = [*custom.split(), backend] if custom else [
@@ -191,12 +211,24 @@ def pct(xs: list[float], q: float) -> float:
 # ------------------------------------------------------------------ benchmark
 
 
+def msg_counts(envoy: EnvoyProcess) -> tuple[int, int]:
+    """(messages Envoy sent to the scorer, messages it received) so far."""
+    st = envoy.stats("http.main.ext_proc.")
+    p = "http.main.ext_proc."
+    return int(st.get(p + "stream_msgs_sent", 0)), int(st.get(p + "stream_msgs_received", 0))
+
+
 async def bench_setting(
-    track: bool, sizes: list[int], concs: list[int], seconds: float, rounds: int
+    track: bool,
+    transport: str,
+    sizes: list[int],
+    concs: list[int],
+    seconds: float,
+    rounds: int,
 ) -> list[dict[str, Any]]:
     backend, bport = start_backend()
     bep = f"127.0.0.1:{bport}"
-    scorer, xport = start_scorer(bep, track)
+    scorer, xport = start_scorer(bep, track, transport)
     rows: list[dict[str, Any]] = []
     try:
         cfg = render_envoy_config(
@@ -213,6 +245,7 @@ async def bench_setting(
                     d_wall = m_wall = 0.0
                     cpu = 0.0
                     errors = 0
+                    sent0, recv0 = msg_counts(envoy)
                     for _ in range(rounds):
                         d = await run_load(direct_port, req, conc, seconds / rounds)
                         c0 = cpu_seconds(scorer.pid)
@@ -223,7 +256,9 @@ async def bench_setting(
                         d_wall += d["wall"]
                         m_wall += m["wall"]
                         errors += d["errors"] + m["errors"]
-                    row = {
+                    sent1, recv1 = msg_counts(envoy)
+                    row: dict[str, Any] = {
+                        "transport": transport,
                         "track_responses": track,
                         "body_bytes": len(req) - req.index(b"\r\n\r\n") - 4,
                         "concurrency": conc,
@@ -239,6 +274,9 @@ async def bench_setting(
                         "requests": len(m_lat),
                         "errors": errors,
                         "mean_extproc_ms": statistics.fmean(m_lat) * 1e3,
+                        # Includes each round's warm-up requests (a few per connection).
+                        "msgs_to_scorer_per_req": (sent1 - sent0) / len(m_lat),
+                        "msgs_from_scorer_per_req": (recv1 - recv0) / len(m_lat),
                     }
                     row["scorer_rps_per_core"] = 1e6 / max(row["scorer_cpu_us_per_req"], 1e-9)
                     rows.append(row)
@@ -250,7 +288,7 @@ async def bench_setting(
 
 
 HEADER = (
-    f"{'track':>5} {'body':>6} {'conc':>4} | {'direct p50':>10} {'p99':>7} | "
+    f"{'transport':>9} {'track':>5} {'body':>6} {'conc':>4} | {'direct p50':>10} {'p99':>7} | "
     f"{'extproc p50':>11} {'p99':>7} | {'added p50':>9} {'p99':>7} | "
     f"{'rps direct':>10} {'rps ext':>8} | {'CPU µs/req':>10} {'req/s/core':>10}"
 )
@@ -258,7 +296,7 @@ HEADER = (
 
 def print_row(r: dict[str, Any]) -> None:
     print(
-        f"{'on' if r['track_responses'] else 'off':>5} {r['body_bytes']:>6} "
+        f"{r['transport']:>9} {'on' if r['track_responses'] else 'off':>5} {r['body_bytes']:>6} "
         f"{r['concurrency']:>4} | {r['direct_p50_ms']:>10.3f} {r['direct_p99_ms']:>7.3f} | "
         f"{r['extproc_p50_ms']:>11.3f} {r['extproc_p99_ms']:>7.3f} | "
         f"{r['added_p50_ms']:>9.3f} {r['added_p99_ms']:>7.3f} | "
@@ -268,25 +306,109 @@ def print_row(r: dict[str, Any]) -> None:
     )
 
 
+# ------------------------------------------------------------------ CPU per stream
+
+
+async def cpu_setting(
+    track: bool, transport: str, body_mode: BodyMode, n: int, reps: int
+) -> dict[str, Any]:
+    """Scorer CPU per stream over `n` sequential requests, `reps` times."""
+    backend, bport = start_backend()
+    bep = f"127.0.0.1:{bport}"
+    scorer, xport = start_scorer(bep, track, transport)
+    try:
+        cfg = render_envoy_config(0, xport, 0, body_mode=body_mode, track_responses=track)
+        async with EnvoyProcess(cfg, concurrency=1) as envoy:
+            req = make_request(2048)
+            conn = await Conn.open(envoy.listener_port)
+            for _ in range(50):  # warm up: connections, caches, lazy imports
+                assert await conn.post(req) == 200
+            per_stream: list[float] = []
+            user = system = 0.0
+            sent0, recv0 = msg_counts(envoy)
+            for _ in range(reps):
+                u0, s0 = cpu_split(scorer.pid)
+                for _ in range(n):
+                    assert await conn.post(req) == 200
+                u1, s1 = cpu_split(scorer.pid)
+                per_stream.append((u1 - u0 + s1 - s0) / n * 1e6)
+                user += u1 - u0
+                system += s1 - s0
+            sent1, recv1 = msg_counts(envoy)
+            conn.close()
+    finally:
+        stop(scorer)
+        stop(backend)
+    return {
+        "transport": transport,
+        "track_responses": track,
+        "body_mode": body_mode,
+        "requests": n * reps,
+        "cpu_us_min": min(per_stream),
+        "cpu_us_median": statistics.median(per_stream),
+        "user_share": user / max(user + system, 1e-9),
+        "msgs_to_scorer_per_req": (sent1 - sent0) / (n * reps),
+        "msgs_from_scorer_per_req": (recv1 - recv0) / (n * reps),
+    }
+
+
+def cpu_main(args: argparse.Namespace, transports: list[str], tracks: list[bool]) -> int:
+    print(f"scorer CPU µs per stream, 2 KB body, {args.cpu} sequential requests x {args.reps}")
+    print(
+        f"{'transport':>9} {'track':>5} {'body mode':>20} | {'min':>5} {'median':>6} "
+        f"{'user %':>6} | {'msgs in':>7} {'out':>5}"
+    )
+    rows = []
+    for transport in transports:
+        for track in tracks:
+            modes: tuple[BodyMode, ...] = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+            for mode in modes:
+                r = asyncio.run(cpu_setting(track, transport, mode, args.cpu, args.reps))
+                rows.append(r)
+                print(
+                    f"{transport:>9} {'on' if track else 'off':>5} {mode:>20} | "
+                    f"{r['cpu_us_min']:>5.0f} {r['cpu_us_median']:>6.0f} "
+                    f"{r['user_share'] * 100:>6.0f} | {r['msgs_to_scorer_per_req']:>7.2f} "
+                    f"{r['msgs_from_scorer_per_req']:>5.2f}",
+                    flush=True,
+                )
+    out = Path(args.out).with_name("extproc_cpu.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "extproc_cpu", "rows": rows}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seconds", type=float, default=3.0, help="per path and cell")
     ap.add_argument("--rounds", type=int, default=3, help="direct/extproc alternations per cell")
     ap.add_argument("--quick", action="store_true", help="2 KB, concurrency 1 and 16, track on")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "extproc.json"))
+    ap.add_argument(
+        "--transport", default="asyncio,grpcio", help="server.extproc_transport values, comma list"
+    )
+    ap.add_argument("--cpu", type=int, default=0, metavar="N", help="CPU per stream only")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions for --cpu")
     ap.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_backend:
         backend_main(0)
         return 0
+    transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    tracks = [True] if args.quick else [True, False]
+    if args.cpu:
+        return cpu_main(args, transports, tracks)
     sizes = [2048] if args.quick else [2048, 32768]
     concs = [1, 16]
-    tracks = [True] if args.quick else [True, False]
     print(f"latency in ms; {os.cpu_count()} cores; {args.seconds}s per path per cell")
     print(HEADER)
     rows: list[dict[str, Any]] = []
-    for track in tracks:
-        rows += asyncio.run(bench_setting(track, sizes, concs, args.seconds, args.rounds))
+    for transport in transports:
+        for track in tracks:
+            rows += asyncio.run(
+                bench_setting(track, transport, sizes, concs, args.seconds, args.rounds)
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
