@@ -94,6 +94,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
         self._continue_response_headers = P.continue_headers(response_path=True)
         self._skip_response = P.mode_override_skip_response()
+        self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
 
     # ------------------------------------------------------------------ the RPC
 
@@ -204,23 +205,37 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(self._error_answer(d))
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint")
 
-        mutation = self._mutation(d)
-        metadata = P.destination_metadata(P.join_endpoints(d.endpoints))
+        await context.write(self._routing_answer(d, full_duplex))
         if full_duplex:
-            hresp = P.continue_headers(mutation, metadata)
-            if not self.track_responses:
-                hresp.mode_override.CopyFrom(self._skip_response)
-            await context.write(hresp)
             for r in P.streamed_body(body, end_of_stream=not trailers):
                 await context.write(r)
-            if trailers:
-                await context.write(P.continue_trailers())
-        else:
-            bresp = P.continue_body(mutation, metadata)
-            await context.write(bresp)
-            if trailers:
-                await context.write(P.continue_trailers())
+        if trailers:
+            await context.write(P.continue_trailers())
         return self._routed(req, d)
+
+    def _routing_answer(self, d: Decision, full_duplex: bool) -> ep.ProcessingResponse:
+        """The answer carrying the destination: headers answer (FULL_DUPLEX) or body answer
+        (BUFFERED). Without decision headers it only depends on the endpoint list, so it is
+        built once per endpoint list and reused (never mutated after it is cached)."""
+        ends = P.join_endpoints(d.endpoints)
+        key = (ends, full_duplex)
+        if not self.decision_headers:
+            cached = self._answers.get(key)
+            if cached is not None:
+                return cached
+        mutation = self._mutation(d)
+        metadata = P.destination_metadata(ends)
+        if full_duplex:
+            resp = P.continue_headers(mutation, metadata)
+            if not self.track_responses:
+                resp.mode_override.CopyFrom(self._skip_response)
+        else:
+            resp = P.continue_body(mutation, metadata)
+        if not self.decision_headers:
+            if len(self._answers) >= 4096:  # bounded: endpoint lists come from the pool
+                self._answers.clear()
+            self._answers[key] = resp
+        return resp
 
     async def route_body(self, req: RoutingRequest, body: bytes) -> Decision:
         """Parse the body into `req` and route it (400 decision on a bad body)."""

@@ -260,6 +260,18 @@ class H2Stream:
         if not self._headers_sent:
             self._headers_sent = True
             conn.send(frame(HEADERS, END_HEADERS, self.sid, _RESPONSE_HEADERS))
+        n = len(data) + 5
+        if (
+            n <= conn.peer_max_frame
+            and n <= conn.send_window
+            and n <= self.send_window
+            and conn.write_paused is None
+        ):
+            # Fast path (every ext_proc answer but large bodies): one DATA frame, no waits.
+            conn.send(_HDR.pack((n << 8) | DATA, 0, self.sid) + _MSG.pack(0, n - 5) + data)
+            conn.send_window -= n
+            self.send_window -= n
+            return
         await conn.send_data(self, _MSG.pack(0, len(data)) + data)
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
