@@ -1,21 +1,23 @@
 """Deterministic discrete-event replay: our policies in-process against simulated workers.
 
 Nothing here touches the network or the wall clock. Time is simulated: a heap of events
-(arrivals, engine-step ends, metric scrapes). Each simulated worker is an engine loop over
+(arrivals, engine-step ends, metric scrapes). Each simulated worker is stepped like the
+simulated worker's engine (`scorer.sim.engine.Engine`), over the same
 `scorer.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
-`scorer.sim.timing.TimingModel` (prefill/decode step times), with a `max_num_seqs` limit
-and a FIFO waiting queue:
+`scorer.sim.timing.TimingModel`:
 
-* a step either prefills the head of the queue (one request per step, when a sequence slot
-  and its KV blocks are free) together with one decode token of every running sequence
-  (`step_ms(uncached_tokens, batch)`), or is a decode step (`decode_ms_per_token(batch)`);
-  consecutive decode steps with nothing to change are taken in one event;
-* a request's prompt blocks are looked up (counters: `queries_tokens`, `hits_tokens`, as
-  vLLM's `vllm:prefix_cache_queries` / `_hits`) and pinned when its prefill is scheduled,
-  released tail-first when it finishes; its partial last block and decode tokens take
-  anonymous blocks;
-* TTFT = end of the prefill step - arrival; the request then decodes `output_tokens - 1`
-  more tokens.
+* a step schedules waiting requests FIFO (never skipping the head) while fewer than
+  `max_num_seqs` run, their uncached prompt tokens fit `max_num_batched_tokens` (the first
+  always does) and the KV pool can hold their blocks (full prompt blocks, cached or new,
+  plus anonymous blocks for the partial last block and every output token, reserved up
+  front); it lasts `prefill_ms(uncached tokens of the step) + decode_ms_per_token(batch)`;
+* the hit is the longest cached prefix of full blocks, capped so that one prompt token is
+  computed (as vLLM does); queries and hits are counted in tokens when a request is
+  scheduled (`vllm:prefix_cache_queries` / `_hits`);
+* every scheduled request gets one token per step; a new request's first token ends its
+  TTFT; a request that has all its output tokens finishes and unpins its blocks (tail
+  first); consecutive decode-only steps with nothing to change are one event;
+* a request whose blocks exceed the worker's KV pool is rejected (an error).
 
 The routing side is the real one: `scorer.policy.build_policy` with a real `Pool`,
 `PolicyContext` and `BlockIndex` (``ctx.services["index"]``), the router's
@@ -66,6 +68,8 @@ class ReplaySettings:
     capacity_blocks: int | None = 1000  # per worker; None = unbounded
     block_size: int = 512
     max_num_seqs: int = 256  # vLLM's default for a GPU (SchedulerConfig.max_num_seqs)
+    # Prompt tokens prefilled per engine step (the first request of a step always fits).
+    max_num_batched_tokens: int = 8192
     seed: int = 0
     scrape_interval_s: float = 0.2  # like config load.scrape_interval_s
     event_delay_s: float = 0.0  # store/evict → index latency (simulated seconds)
@@ -148,18 +152,18 @@ class _Req:
 
 
 class _SimWorker:
-    """One simulated engine: waiting queue, running batch, prefix cache, step loop."""
+    """One simulated engine, stepped like `scorer.sim.engine.Engine` on simulated time."""
 
     def __init__(self, sim: _Replay, endpoint: str, capacity: int) -> None:
         self.sim = sim
         self.endpoint = endpoint
         self.cache = PrefixCache(capacity, sim.settings.block_size, on_evict=self._evicted)
         self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
-        self.prefilling: _Req | None = None
+        self.running: list[_Req] = []  # scheduled: decoding, or prefilling this step
+        self.admitted: list[_Req] = []  # prefilled in the current step
         self.step_start = 0.0
-        self.step_ms = 0.0  # duration of one step of the current run
-        self.steps = 0  # steps in the current run (decode runs may be > 1)
+        self.step_s = 0.0  # duration of one step of the current run
+        self.steps = 0  # steps in the current run (decode-only runs may be > 1)
         self.step_end = -1.0  # < 0: idle
         self.gen = 0  # invalidates stale step-end events
         self.prompt_tokens = 0  # routed here (imbalance)
@@ -170,37 +174,34 @@ class _SimWorker:
         self.sim.feed_remove(self.endpoint, hashes)
 
     def arrive(self, r: _Req, now: float) -> None:
-        """A routed request reaches the engine's waiting queue."""
-        self.waiting.append(r)
+        """A routed request reaches the engine's waiting queue (or is rejected)."""
         self.prompt_tokens += r.prompt_tokens
+        if len(r.keys) + r.extra_blocks > self.cache.capacity_blocks:
+            # The engine rejects what can never fit its KV pool (HTTP 400 in the sim).
+            self.sim.error(r, now)
+            return
+        self.waiting.append(r)
         if self.step_end < 0:
             self.start_step(now)
-        elif self.prefilling is None and self.steps > 1:
+        elif not self.admitted and self.steps > 1:
             # Cut a multi-step decode run at the next step boundary so the scheduler
             # can look at the new request there (as the real engine loop would).
-            done = math.floor((now - self.step_start) / self.step_ms + 1e-12)
+            done = math.floor((now - self.step_start) / self.step_s + 1e-12)
             steps = min(done + 1, self.steps)
             if steps < self.steps:
                 self.steps = steps
-                self.step_end = self.step_start + steps * self.step_ms
-                self.gen += 1
-                self.sim.push(self.step_end, _STEP, (self, self.gen))
+                self._schedule(self.step_start + steps * self.step_s)
 
     def step_done(self, now: float) -> None:
         """The current step (or run of decode steps) has ended at `now`."""
         self.step_end = -1.0
-        tokens = self.steps
-        for r in self.running:
-            r.remaining -= tokens
-        p = self.prefilling
-        if p is not None:
-            self.prefilling = None
-            p.first = now
-            p.remaining = p.output_tokens - 1  # the prefill step produced the first token
-            self.sim.tracker_first_byte(p)
-            self.running.append(p)
+        for r in self.admitted:
+            r.first = now  # the prefill step produced the first token
+            self.sim.tracker_first_byte(r)
+        self.admitted = []
         still = []
         for r in self.running:
+            r.remaining -= self.steps
             if r.remaining <= 0:
                 self.finish(r, now)
             else:
@@ -214,40 +215,44 @@ class _SimWorker:
         self.sim.tracker_finished(r)
 
     def start_step(self, now: float) -> None:
-        """Schedule the next step: a prefill when the queue head fits, else decode."""
-        timing = self.sim.settings.timing
-        while self.waiting and len(self.running) < self.sim.settings.max_num_seqs:
+        """Schedule the next engine step (see scorer.sim.engine.Engine._schedule)."""
+        st = self.sim.settings
+        bs = self.cache.block_size
+        admitted: list[_Req] = []
+        budget = 0
+        while self.waiting and len(self.running) + len(admitted) < st.max_num_seqs:
             head = self.waiting[0]
+            # vLLM caps the hit so the last prompt token is always computed.
+            lookup = head.keys[: (head.prompt_tokens - 1) // bs]
+            matched = self.cache.match(lookup)
+            uncached = head.prompt_tokens - matched * bs
+            if admitted and budget + uncached > st.max_num_batched_tokens:
+                break
             if not self.cache.can_admit(head.keys, head.extra_blocks):
-                if self.running:
-                    break  # wait for running requests to free their blocks
-                # Nothing runs and it still does not fit: it never will (vLLM rejects a
-                # prompt longer than its KV capacity).
-                self.waiting.popleft()
-                self.sim.error(head, now)
-                continue
+                break  # wait for running requests to free their blocks (FIFO head)
             self.waiting.popleft()
-            hit_blocks = self.cache.lookup(head.keys, head.prompt_tokens)
+            self.cache.lookup(lookup, head.prompt_tokens)  # the worker's hit counters
             new = self.cache.admit(head.keys, head.extra_blocks)
             if new:
                 self.sim.feed_store(self.endpoint, new)
-            cached = min(hit_blocks * self.cache.block_size, head.prompt_tokens)
-            # A fully cached prompt still computes its last token (vLLM does the same).
-            uncached = max(head.prompt_tokens - cached, 1)
-            self.prefilling = head
-            self.step_start = now
-            self.step_ms = timing.step_ms(uncached, len(self.running))
+            head.remaining = head.output_tokens
+            admitted.append(head)
+            budget += uncached
+        decoding = len(self.running)
+        if not admitted and not decoding:
+            return  # idle (a blocked head cannot happen with nothing running)
+        timing = st.timing
+        self.step_start = now
+        if admitted:
+            self.admitted = admitted
+            self.running.extend(admitted)
+            self.step_s = timing.step_ms(budget, decoding) / 1000.0
             self.steps = 1
-            self._schedule(now + self.step_ms / 1000.0)
-            return
-        if self.running:
-            d = timing.decode_ms_per_token(len(self.running)) / 1000.0
+        else:
             # Nothing changes until the first running request finishes: one event.
-            k = max(min(r.remaining for r in self.running), 1)
-            self.step_start = now
-            self.step_ms = d
-            self.steps = k
-            self._schedule(now + k * d)
+            self.step_s = timing.decode_ms_per_token(decoding) / 1000.0
+            self.steps = max(min(r.remaining for r in self.running), 1)
+        self._schedule(now + self.steps * self.step_s)
 
     def _schedule(self, end: float) -> None:
         self.step_end = end
@@ -349,7 +354,7 @@ class _Replay:
         for w in self.pool:
             sw = self.workers[w.endpoint]
             sc = w.scraped
-            sc.running = float(len(sw.running) + (1 if sw.prefilling else 0))
+            sc.running = float(len(sw.running))
             sc.waiting = float(len(sw.waiting))
             sc.kv_usage = sw.cache.usage if self.settings.capacity_blocks else 0.0
             sc.at = at
