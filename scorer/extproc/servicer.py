@@ -116,7 +116,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         except (grpc.aio.AbortError, AbortStream):
             raise
         except asyncio.CancelledError:
-            outcome = "cancelled"  # Envoy or the client went away
+            # Envoy or the client went away. Once routed (rid set) a cancel is how the
+            # exchange normally ends: Envoy 1.40 resets a followed stream
+            # (RST_STREAM INTERNAL_ERROR) at the end of the response instead of
+            # half-closing it (measured), so the outcome stays "routed".
+            if rid is None:
+                outcome = "cancelled"
             raise
         except Exception:
             if context.cancelled():

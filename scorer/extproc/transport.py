@@ -327,7 +327,12 @@ class H2Stream:
         """The peer reset the stream (or the connection is gone): cancel the handler."""
         if self._done:
             return
-        self._done = True
+        self._done = True  # nothing more can be sent
+        if self._half_closed:
+            # The request side had ended (EOF queued): Envoy resets right after its
+            # END_STREAM once the HTTP exchange is over. Let the handler see EOF and end
+            # normally instead of counting a finished request as cancelled.
+            return
         self.cancel_handler()
 
     def cancel_handler(self) -> None:

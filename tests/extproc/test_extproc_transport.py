@@ -364,3 +364,34 @@ def test_status_trailers_encoding() -> None:
     block = T.status_trailers(14, "a%b\n")
     assert block.endswith(b"\x0cgrpc-message\x08a%25b%0A")
     assert T._hpack_int(1337, 5, 0) == bytes([31, 154, 10])  # RFC 7541 C.1.2
+
+
+async def test_reset_after_routing_counts_as_routed(harness) -> None:
+    """Envoy ends a followed stream with RST_STREAM at the end of the exchange: that is a
+    routed request, not a cancelled one (a reset before the answer is)."""
+    from prometheus_client import REGISTRY
+
+    def count(outcome: str) -> float:
+        v = REGISTRY.get_sample_value("kv_scorer_extproc_streams_total", {"outcome": outcome})
+        return v or 0.0
+
+    h = await harness()
+    routed, cancelled = count("routed"), count("cancelled")
+    call = h.stream()
+    await call.write(headers_msg({}))
+    await call.write(body_msg(completion(), True))
+    await read(call)
+    await read(call)
+    call.cancel()
+    early = h.stream()
+    await early.write(headers_msg({}))  # reset while the body is still awaited
+    for _ in range(100):
+        if h.app.extproc_h2 is not None and h.app.extproc_h2.tasks:
+            break
+        await asyncio.sleep(0.01)
+    early.cancel()
+    for _ in range(200):
+        if count("routed") == routed + 1 and count("cancelled") == cancelled + 1:
+            break
+        await asyncio.sleep(0.01)
+    assert (count("routed"), count("cancelled")) == (routed + 1, cancelled + 1)
