@@ -24,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 from scorer.bench import report
+from scorer.bench.cli import parse_policy_options
 from scorer.bench.e2e import (
     E2ESettings,
     SimFleet,
@@ -43,7 +44,7 @@ def demo_workloads(small: bool, seed: int) -> tuple[Workload, Workload]:
     """(shared-prefix, chat) sized for the demo (`small`: a few seconds, for tests).
 
     Shared prefix: 16 system prompts of 4,096 tokens, 12 questions each, Poisson at
-    30 req/s model time. With 4 workers of 1,500 16-token blocks, one worker holds ~5
+    10 req/s model time. With 4 workers of 1,500 16-token blocks, one worker holds ~5
     system prompts: round robin cycles all 16 through every worker and keeps evicting them;
     a cache-aware router keeps each on one worker.
     """
@@ -77,7 +78,7 @@ def demo_workloads(small: bool, seed: int) -> tuple[Workload, Workload]:
         system_tokens=4096,
         question_tokens=128,
         output_tokens=64,
-        rate=30.0,
+        rate=10.0,
     )
     chat = load_workload(
         "chat",
@@ -108,7 +109,7 @@ def register(subparsers: Any) -> None:
         "--speed",
         type=float,
         default=None,
-        help="simulated workers run this many times faster than model time (default 4)",
+        help="simulated workers run this many times faster than model time (default 2)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -117,6 +118,18 @@ def register(subparsers: Any) -> None:
         help="policies for the shared-prefix workload (default kv,approx,round_robin)",
     )
     p.add_argument("--no-chat", action="store_true", help="skip the session/chat part")
+    p.add_argument(
+        "--policy-config",
+        default=None,
+        help="YAML/JSON file of policy options by name, e.g. bench/routing/kv-tuned.yaml",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="POLICY.OPTION=VALUE",
+        help="one policy option (repeatable), e.g. --set kv.prefill_load_scale=10",
+    )
     p.add_argument("--target", help="replay against this existing gateway URL instead")
     p.add_argument(
         "--worker-url",
@@ -140,9 +153,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sp, chat = demo_workloads(args.small, args.seed)
-    speed = args.speed or (10.0 if args.small else 4.0)
+    speed = args.speed or (10.0 if args.small else 2.0)
     cap = args.capacity_blocks or (100 if args.small else 1500)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        policy_options = parse_policy_options(args.policy_config, args.set)
+    except ValueError as e:
+        print(f"kv-scorer demo: {e}", file=sys.stderr)
+        return 2
     settings = E2ESettings(
         workers=args.workers,
         capacity_blocks=cap,
@@ -152,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         concurrency=256,
         run_dir=out,
         progress=True,
+        policy_options=policy_options,
     )
     sp = sp.slice(None, speed)
     chat = chat.slice(None, speed)
@@ -193,6 +212,7 @@ def _settings_doc(args: argparse.Namespace, settings: E2ESettings) -> dict[str, 
         "time_scale": settings.speed,
         "seed": settings.seed,
         "small": bool(args.small),
+        "policy_options": settings.policy_options,
     }
 
 

@@ -27,6 +27,8 @@ import contextlib
 import json
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +43,6 @@ from scorer.bench.procs import (
     ProcGroup,
     free_port,
     http_get,
-    http_post,
     kv_scorer_argv,
     metric_sums,
     scorer_ports,
@@ -67,6 +68,8 @@ class E2ESettings:
     block_size: int = 512
     speed: float = 1.0  # sims' --speed; arrivals are already divided by it
     max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 262144  # Mooncake prompts reach 126k tokens
     seed: int = 0
     concurrency: int = 256
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -223,18 +226,27 @@ class SimFleet:
             MODEL,
             "--block-size",
             str(s.block_size),
-            "--num-gpu-blocks",
+            "--capacity-blocks",
             str(cap),
             "--max-num-seqs",
             str(s.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(s.max_num_batched_tokens),
+            "--max-model-len",
+            str(s.max_model_len),
             "--speed",
             str(s.speed),
-            "--kv-events-endpoint",
-            f"tcp://127.0.0.1:{spec.events_port}",
-            "--kv-events-replay-endpoint",
-            f"tcp://127.0.0.1:{spec.replay_port}",
+            # Bind on loopback (vLLM's rule would connect for a non-* host).
+            "--kv-events",
+            spec.events,
+            "--kv-events-mode",
+            "bind",
+            "--replay",
+            spec.replay,
             "--seed",
             str(s.seed),
+            "--log-level",
+            "warning",
         )
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -256,12 +268,12 @@ class SimFleet:
         for spec in self.specs:
             deadline = time.monotonic() + 30.0
             while True:
-                status, body = http_post(spec.url + "/reset_prefix_cache")
-                if status == 200:
+                status, done = reset_prefix_cache(spec.url)
+                if status == 200 and done:
                     break
-                # vLLM refuses while requests run; ours too. Retry briefly.
+                # vLLM (and the sim) refuse while requests hold blocks. Retry briefly.
                 if time.monotonic() > deadline:
-                    raise ProcError(f"reset_prefix_cache on {spec.endpoint}: {status} {body}")
+                    raise ProcError(f"reset_prefix_cache on {spec.endpoint}: HTTP {status}")
                 time.sleep(0.2)
 
     def counters(self) -> list[tuple[float, float]]:
@@ -274,6 +286,19 @@ class SimFleet:
             m = metric_sums(text, [QUERIES, HITS])
             out.append((m[QUERIES], m[HITS]))
         return out
+
+
+def reset_prefix_cache(url: str) -> tuple[int, bool]:
+    """POST /reset_prefix_cache: (status, reset done). vLLM answers 200 even when it refuses
+    (blocks in use); the sim says which in `X-Reset-Prefix-Cache: true|false`."""
+    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as r:
+            return int(r.status), r.headers.get("X-Reset-Prefix-Cache", "true") != "false"
+    except urllib.error.HTTPError as e:
+        return int(e.code), False
+    except (urllib.error.URLError, OSError):
+        return 0, False
 
 
 def summarize(

@@ -1,0 +1,102 @@
+"""`kv-scorer demo --small` end to end: real Envoy, scorer and simulated workers.
+
+Runs the demo as a child process (its own session, so signals reach only it), checks
+the table, results.json and the PNG, and that every process it started is gone — after
+a normal run and after Ctrl-C in the middle of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from scorer.bench.report import check_results_shape
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes (its parent, the demo, has exited).
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(line.split()[0]) for line in (out / "logs" / "pids").read_text().splitlines()]
+
+
+def _demo(out: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "scorer.cli", "demo", "--small", "--out", str(out), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_small_demo_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = _demo(out)
+    try:
+        stdout, _ = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert check_results_shape(doc) == [], doc
+    pols = doc["policies"]
+    assert set(pols) == {"kv", "approx", "round_robin", "oracle"}
+    for name in ("kv", "approx", "round_robin"):
+        assert pols[name]["errors"] == 0 and pols[name]["requests"] == 16
+        assert pols[name]["ttft_p50_ms"] > 0 and pols[name]["throughput_rps"] > 0
+    # 4 system prompts over 4 workers: the cache-aware policies reuse them, round robin
+    # recomputes each one on every worker (the workers' own counters say so).
+    assert pols["kv"]["hit_rate"] > pols["round_robin"]["hit_rate"]
+    assert pols["kv"]["reasons"].get("kv_hit", 0) > 0
+    chat = doc["chat"]["policies"]
+    assert chat["session"]["errors"] == 0 and chat["session"]["requests"] == 9
+    assert chat["session"]["reasons"].get("session", 0) > 0
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "hit rate" in stdout and "round_robin" in stdout and "TTFT p99" in stdout
+    assert "kv" in stdout and "[##########" in stdout  # progress line reached the end
+    pids = _pids(out)
+    assert len(pids) >= 4 + 5  # 4 sims + a scorer per run
+    assert not [p for p in pids if _alive(p)]
+
+
+def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = _demo(out, "--no-chat")
+    try:
+        deadline = time.monotonic() + 60
+        pids: list[int] = []
+        # Wait until the simulated workers and a scorer are up (the pids file grows).
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "logs" / "pids").exists():
+                pids = _pids(out)
+                if len(pids) >= 5:
+                    break
+            time.sleep(0.05)
+        assert len(pids) >= 5 and proc.poll() is None
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stdout
+    assert "interrupted" in stdout
+    assert not [p for p in _pids(out) if _alive(p)]
