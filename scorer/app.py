@@ -23,18 +23,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from grpc_health.v1.health_pb2 import HealthCheckRequest
 from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
 from scorer.api.health import Health
 from scorer.api.score import ScorerService
 from scorer.api.score import add_to_server as add_scorer
+from scorer.api.v1.scorer_pb2 import ScoreRequest
 from scorer.config import Config, ConfigError, load_config
 from scorer.decisions import DecisionLog
 from scorer.extproc.servicer import ExtProcServicer
 from scorer.extproc.servicer import add_to_h2_server as add_extproc_h2
 from scorer.extproc.servicer import add_to_server as add_extproc
-from scorer.extproc.transport import H2GrpcServer
+from scorer.extproc.transport import H2GrpcServer, unary
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
 from scorer.router import RequestPreparer, Router
@@ -160,10 +162,18 @@ class App:
         self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.health.add_to_server(self.health_server)
         if s.extproc_transport == "asyncio":
-            # Our HTTP/2 server carries only ext_proc; Scorer goes on the health port.
-            add_scorer(self.scorer, self.health_server)
+            # Our HTTP/2 server: ext_proc, Score and health Check (Watch, a server stream,
+            # only on the health port).
             self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
             add_extproc_h2(self.extproc, self.extproc_h2)
+            self.extproc_h2.add_handler(
+                "/scorer.v1.Scorer/Score", unary(self.scorer.Score), ScoreRequest.FromString
+            )
+            self.extproc_h2.add_handler(
+                "/grpc.health.v1.Health/Check",
+                unary(self.health.servicer.Check),
+                HealthCheckRequest.FromString,
+            )
             self.extproc_port = await self.extproc_h2.start(s.host, s.extproc_port, s.reuse_port)
         else:
             self.extproc_server = grpc.aio.server(options=opts)

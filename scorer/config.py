@@ -35,10 +35,10 @@ class ServerConfig(Strict):
     # Set SO_REUSEPORT on the ext_proc port so several `kv-scorer serve` processes share
     # it (each keeps its own in-flight view and index; see docs/envoy.md).
     reuse_port: bool = False
-    # ext_proc server: "asyncio" (our HTTP/2 gRPC server, scorer/extproc/transport.py;
-    # ~4x less CPU per stream) or "grpcio" (grpc.aio; also serves scorer.v1.Scorer and
-    # health on the ext_proc port — with "asyncio" those are on the health port only).
-    extproc_transport: Literal["asyncio", "grpcio"] = "grpcio"
+    # ext_proc port server: "asyncio" (our HTTP/2 gRPC server, scorer/extproc/transport.py:
+    # 2-3x less CPU per stream) or "grpcio" (grpc.aio). Both serve ext_proc, scorer.v1
+    # Score and health Check there; health Watch only on the health port with "asyncio".
+    extproc_transport: Literal["asyncio", "grpcio"] = "asyncio"
 
 
 class ExtProcConfig(Strict):

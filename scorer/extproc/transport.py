@@ -744,6 +744,19 @@ class H2Connection(asyncio.Protocol):
         return False
 
 
+def unary(fn: Callable[[Any, Any], Awaitable[Any]]) -> Handler:
+    """A unary method `await fn(request, context) -> response` as a stream handler (the
+    grpc.aio servicer signature, so scorer.v1.Scorer/Score and health Check run as is)."""
+
+    async def handler(_: Any, stream: StreamContext) -> None:
+        request = await stream.read()
+        if request is EOF:
+            await stream.abort(grpc.StatusCode.INTERNAL, "unary call without a request")
+        await stream.write(await fn(request, stream))
+
+    return handler
+
+
 class H2GrpcServer:
     """gRPC bidi-stream server: `add_handler(path, handler, deserialize)`, `start`, `stop`."""
 

@@ -1,7 +1,8 @@
 """The asyncio HTTP/2 transport (`server.extproc_transport: asyncio`).
 
-1. The whole ext_proc contract suite again, over a real grpcio channel to this transport
-   (the `harness` fixture below overrides conftest's for the imported tests).
+1. conftest's `harness` runs the contract and API suites on the default transport
+   (asyncio); the `harness` override below runs them all again on `grpcio`, so both
+   transports stay tested. The asyncio-specific tests use `h2harness`.
 2. Transport behaviour a gRPC client relies on: many concurrent streams, 8 MB bodies both
    ways (flow control against grpcio's small windows), status codes and percent-encoded
    messages, cancellation, unknown methods, size limits, graceful stop.
@@ -23,7 +24,8 @@ import pytest
 from extproc_helpers import PM, WORKERS, body_msg, headers_msg, make_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hpack import Encoder
-from test_extproc_contract import *  # noqa: F403  (re-run the contract on this transport)
+from test_api_surfaces import *  # noqa: F403  (re-run the API suite on grpcio)
+from test_extproc_contract import *  # noqa: F403  (re-run the contract on grpcio)
 from test_extproc_contract import completion, read
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
@@ -46,47 +48,59 @@ class Harness:
         return self.stub.Process()
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
-    """Like conftest's, with `server.extproc_transport: asyncio`."""
-    started: list[tuple[App, grpc.aio.Channel]] = []
+def _harness_fixture(transport: str) -> Any:
+    async def fixture() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+        started: list[tuple[App, grpc.aio.Channel]] = []
 
-    async def make(**over: Any) -> Harness:
-        server = {"extproc_transport": "asyncio", **over.pop("server", {})}
-        app = App(make_config(server=server, **over))
-        await app.start()
-        assert app.extproc_h2 is not None and app.extproc_server is None
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
-        started.append((app, ch))
-        return Harness(app, ch)
+        async def make(**over: Any) -> Harness:
+            server = {"extproc_transport": transport, **over.pop("server", {})}
+            app = App(make_config(server=server, **over))
+            await app.start()
+            assert (app.extproc_h2 is not None) == (transport == "asyncio")
+            ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
+            started.append((app, ch))
+            return Harness(app, ch)
 
-    try:
-        yield make
-    finally:
-        for app, ch in started:
-            await ch.close()
-            app.config.server.grace_period_s = 0.5
-            await app.stop()
+        try:
+            yield make
+        finally:
+            for app, ch in started:
+                await ch.close()
+                app.config.server.grace_period_s = 0.5
+                await app.stop()
+
+    return fixture
+
+
+# Overrides conftest's `harness` for every test in this module, the imported ones too.
+harness = pytest.fixture(_harness_fixture("grpcio"), name="harness")
+h2harness = pytest.fixture(_harness_fixture("asyncio"), name="h2harness")
 
 
 # ---------------------------------------------------------------- through the App
 
 
-async def test_scorer_and_health_served_on_the_health_port(harness) -> None:
-    h = await harness()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{h.app.health_port}") as ch:
-        r = await scorer_pb2_grpc.ScorerStub(ch).Score(scorer_pb2.ScoreRequest(model="m"))
-        assert r.status == 200 and r.endpoints[0] in WORKERS
-        hc = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
-        assert hc.status == health_pb2.HealthCheckResponse.SERVING
-    # The ext_proc port serves only ext_proc now.
+async def test_score_and_health_check_on_the_extproc_port(h2harness) -> None:
+    h = await h2harness()
+    r = await scorer_pb2_grpc.ScorerStub(h.channel).Score(scorer_pb2.ScoreRequest(model="m"))
+    assert r.status == 200 and r.endpoints[0] in WORKERS
     with pytest.raises(grpc.aio.AioRpcError) as ei:
-        await scorer_pb2_grpc.ScorerStub(h.channel).Score(scorer_pb2.ScoreRequest(model="m"))
-    assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        await scorer_pb2_grpc.ScorerStub(h.channel).Score(scorer_pb2.ScoreRequest())
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    health = health_pb2_grpc.HealthStub(h.channel)
+    for name in ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        hc = await health.Check(health_pb2.HealthCheckRequest(service=name))
+        assert hc.status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await health.Check(health_pb2.HealthCheckRequest(service="nope"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    await h.app.set_ready(False)
+    hc = await health.Check(health_pb2.HealthCheckRequest(service="readiness"))
+    assert hc.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def test_many_concurrent_streams(harness) -> None:
-    h = await harness()
+async def test_many_concurrent_streams(h2harness) -> None:
+    h = await h2harness()
 
     async def one(i: int) -> str:
         call = h.stream()
@@ -105,8 +119,8 @@ async def test_many_concurrent_streams(harness) -> None:
     assert len(h.app.pool.inflight) == 0
 
 
-async def test_8mb_body_both_ways_full_duplex(harness) -> None:
-    h = await harness()
+async def test_8mb_body_both_ways_full_duplex(h2harness) -> None:
+    h = await h2harness()
     payload = b'{"model": "m", "prompt": "' + bytes(range(97, 123)) * 322_638 + b'"}'
     assert len(payload) > 8 * 1024 * 1024
     call = h.stream()
@@ -129,8 +143,8 @@ async def test_8mb_body_both_ways_full_duplex(harness) -> None:
     assert await asyncio.wait_for(call.read(), 5) is EOF_
 
 
-async def test_8mb_buffered_body_in_one_message(harness) -> None:
-    h = await harness(extproc={"track_responses": False})
+async def test_8mb_buffered_body_in_one_message(h2harness) -> None:
+    h = await h2harness(extproc={"track_responses": False})
     payload = b'{"model": "m", "prompt": "' + b"x" * (8 * 1024 * 1024) + b'"}'
     call = h.stream()
     await call.write(headers_msg({}, body_mode=PM.BUFFERED))
@@ -366,7 +380,7 @@ def test_status_trailers_encoding() -> None:
     assert T._hpack_int(1337, 5, 0) == bytes([31, 154, 10])  # RFC 7541 C.1.2
 
 
-async def test_reset_after_routing_counts_as_routed(harness) -> None:
+async def test_reset_after_routing_counts_as_routed(h2harness) -> None:
     """Envoy ends a followed stream with RST_STREAM at the end of the exchange: that is a
     routed request, not a cancelled one (a reset before the answer is)."""
     from prometheus_client import REGISTRY
@@ -375,7 +389,7 @@ async def test_reset_after_routing_counts_as_routed(harness) -> None:
         v = REGISTRY.get_sample_value("kv_scorer_extproc_streams_total", {"outcome": outcome})
         return v or 0.0
 
-    h = await harness()
+    h = await h2harness()
     routed, cancelled = count("routed"), count("cancelled")
     call = h.stream()
     await call.write(headers_msg({}))
