@@ -61,6 +61,25 @@ TOKENIZE_OUTCOMES = Counter(
 )
 
 
+# Requests whose prompt is estimated (from the body size) at most this many tokens are
+# tokenized on the event loop: encoding them costs less than handing them to a thread.
+INLINE_MAX_TOKENS = 256
+
+
+def is_token_id_prompt(body: Mapping[str, Any]) -> bool:
+    """A completions body whose prompt is already token ids (or a batch of them).
+
+    Such a prompt needs no tokenizer: the ids are what the engine sees.
+    """
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or "messages" in body:
+        return False
+    first = prompt[0]
+    if isinstance(first, list):
+        first = first[0] if first else None
+    return isinstance(first, int) and not isinstance(first, bool)
+
+
 class TokenizeError(ValueError):
     """The body cannot be turned into tokens (bad shape, template error)."""
 
@@ -229,7 +248,7 @@ class Tokenization:
             m = body.get("model")
             model = m if isinstance(m, str) else None
         lt = self.tokenizer_for(model)
-        if lt is None:
+        if lt is None and not is_token_id_prompt(body):
             raise NoTokenizer(f"no tokenizer for model {model!r}")
         base = self.base_model(model)
         if lora is None and model is not None and model in self.lora_base:
@@ -247,6 +266,7 @@ class Tokenization:
             raise TokenizeError("add_special_tokens must be a boolean")
         if "messages" in body:
             kind = "chat"
+            assert lt is not None  # only token-id prompts get here without a tokenizer
             buf = self._chat_bytes(lt, body, bool(add_special), stats)
         elif "prompt" in body:
             kind, buf = self._prompt_bytes(
@@ -314,7 +334,7 @@ class Tokenization:
         return buf
 
     def _prompt_bytes(
-        self, lt: LocalTokenizer, prompt: Any, add_special: bool, stats: dict[str, int]
+        self, lt: LocalTokenizer | None, prompt: Any, add_special: bool, stats: dict[str, int]
     ) -> tuple[str, bytes]:
         if isinstance(prompt, list):
             if not prompt:
@@ -329,6 +349,8 @@ class Tokenization:
                 return "token_ids", self._ids_bytes(prompt)
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string, a list of token ids, or a batch")
+        if lt is None:
+            raise NoTokenizer("a text prompt needs a tokenizer")
         es = EncodeStats()
         buf = lt.encode_bytes(prompt, self.cache, add_special, es)
         stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
@@ -351,7 +373,7 @@ class Tokenization:
         if body is None:
             return
         model = request.model if request.model is not None else body.get("model")
-        if self.tokenizer_for(model) is None:
+        if self.tokenizer_for(model) is None and not is_token_id_prompt(body):
             TOKENIZE_OUTCOMES.labels("no_tokenizer").inc()
             return  # token_ids stays None: the policy routes by load (no_tokenizer)
         try:
@@ -381,5 +403,12 @@ class Tokenization:
         No tokenizer for the model: leaves `token_ids` None. A body that cannot be
         rendered or tokenized: sets `tokenize_error`. Never raises for a bad body.
         """
+        body = request.body
+        if body is not None and (
+            is_token_id_prompt(body) or 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
+        ):
+            # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
+            self.prepare_sync(request)
+            return
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor(), self.prepare_sync, request)

@@ -43,6 +43,21 @@ async def test_prepare_fills_tokens_and_keys(tokens: Tokenization) -> None:
     assert req.stages["hash"] > 0 and req.stages["tokenize"] > 0
 
 
+async def test_token_id_prompts_need_no_tokenizer(tokens: Tokenization) -> None:
+    ids = list(range(1, 41))
+    for prompt in (ids, [ids, [9, 9]]):  # a prompt, and a batch scored by its first
+        req = RoutingRequest(request_id="r", model="no-such-model", body={"prompt": prompt})
+        await tokens.prepare(req)
+        assert req.tokenize_error is None
+        assert req.token_ids == ids
+        assert req.block_keys == BlockHasher(16).keys(ids)
+    salted = RoutingRequest(
+        request_id="r", model="no-such-model", body={"prompt": ids, "cache_salt": "t"}
+    )
+    await tokens.prepare(salted)
+    assert salted.block_keys == BlockHasher(16).keys(ids, namespace_key(cache_salt="t"))
+
+
 async def test_no_tokenizer_and_bad_bodies(tokens: Tokenization) -> None:
     req = RoutingRequest(request_id="r", model="unknown", body={"prompt": "hi"})
     await tokens.prepare(req)
