@@ -55,6 +55,8 @@ MODEL = "bench-model"
 SESSION_HEADER = "x-session-affinity"  # scorer.extproc.protocol.SESSION_HEADER
 HITS = "vllm:prefix_cache_hits"
 QUERIES = "vllm:prefix_cache_queries"
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
 
 Log = Callable[[str], None]
 
@@ -90,11 +92,17 @@ class LoadResult:
     t_end: float = 0.0
 
 
-def completion_body(r: BenchRequest, stream: bool = True) -> dict[str, Any]:
-    """An OpenAI /v1/completions body with a token-id prompt."""
+def completion_body(r: BenchRequest, stream: bool = True, text: bool = False) -> dict[str, Any]:
+    """An OpenAI /v1/completions body with a token-id prompt.
+
+    `text`: the same prompt as text, one word "t<id>" per token, for routers that accept
+    only text prompts (sglang-router); the simulated worker's synthetic tokenizer makes
+    one token of each word, so equal prefixes stay equal and lengths do not change.
+    """
+    ids = r.token_ids()
     body: dict[str, Any] = {
         "model": MODEL,
-        "prompt": r.token_ids(),
+        "prompt": " ".join(f"t{t}" for t in ids) if text else ids,
         "max_tokens": r.output_tokens,
         "ignore_eos": True,  # vLLM extension: generate exactly max_tokens
         "temperature": 0.0,
@@ -111,11 +119,12 @@ async def _one(
     r: BenchRequest,
     res: LoadResult,
     timeout_s: float,
+    text: bool = False,
 ) -> None:
     headers = {"content-type": "application/json"}
     if r.session:
         headers[SESSION_HEADER] = r.session
-    data = json.dumps(completion_body(r)).encode()
+    data = json.dumps(completion_body(r, text=text)).encode()
     t0 = time.perf_counter()
     first: float | None = None
     try:
@@ -123,8 +132,8 @@ async def _one(
             url, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             if resp.status != 200:
-                text = (await resp.text())[:200]
-                raise RuntimeError(f"HTTP {resp.status}: {text}")
+                detail = (await resp.text())[:200]
+                raise RuntimeError(f"HTTP {resp.status}: {detail}")
             async for line in resp.content:
                 if first is None and line.startswith(b"data:") and b"[DONE]" not in line:
                     first = time.perf_counter()
@@ -145,6 +154,7 @@ async def generate_load(
     concurrency: int,
     timeout_s: float = 600.0,
     progress: Callable[[int, int], None] | None = None,
+    text: bool = False,
 ) -> LoadResult:
     """Send every request at its arrival time (open loop, at most `concurrency` in flight).
 
@@ -165,7 +175,7 @@ async def generate_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:
-                await _one(http, url, r, res, timeout_s)
+                await _one(http, url, r, res, timeout_s, text)
             finished += 1
             if progress is not None:
                 progress(finished, total)
@@ -276,15 +286,16 @@ class SimFleet:
                     raise ProcError(f"reset_prefix_cache on {spec.endpoint}: HTTP {status}")
                 time.sleep(0.2)
 
-    def counters(self) -> list[tuple[float, float]]:
-        """(prefix-cache queries, hits) per worker, in tokens."""
-        out = []
+    def counters(self) -> list[tuple[float, ...]]:
+        """Per worker: (prefix-cache queries, hits) in tokens, and the engine's own TTFT
+        histogram (sum in model seconds, count) when it exports one."""
+        out: list[tuple[float, ...]] = []
         for spec in self.specs:
             status, text = http_get(spec.url + "/metrics", 5.0)
             if status != 200:
                 raise ProcError(f"{spec.endpoint}/metrics: HTTP {status}")
-            m = metric_sums(text, [QUERIES, HITS])
-            out.append((m[QUERIES], m[HITS]))
+            m = metric_sums(text, [QUERIES, HITS, TTFT_SUM, TTFT_COUNT])
+            out.append((m[QUERIES], m[HITS], m[TTFT_SUM], m[TTFT_COUNT]))
         return out
 
 
@@ -303,8 +314,8 @@ def reset_prefix_cache(url: str) -> tuple[int, bool]:
 
 def summarize(
     res: LoadResult,
-    before: list[tuple[float, float]],
-    after: list[tuple[float, float]],
+    before: Sequence[tuple[float, ...]],
+    after: Sequence[tuple[float, ...]],
     speed: float,
     requests: int,
 ) -> dict[str, Any]:
@@ -324,6 +335,14 @@ def summarize(
         "errors": res.errors,
         "prompt_tokens_per_worker": [int(x) for x in dq],
     }
+    if len(after[0]) >= 4:
+        # The workers' own TTFT (model time, from arrival at the engine): the routing
+        # effect without the proxy and load-generator overheads.
+        n = sum(a[3] - b[3] for a, b in zip(after, before, strict=True))
+        t = sum(a[2] - b[2] for a, b in zip(after, before, strict=True))
+        if n > 0:
+            out["ttft_engine_mean_ms"] = round(t / n * 1000.0, 2)
+    out["ttft_mean_ms"] = round(sum(ttft_ms) / len(ttft_ms), 2) if ttft_ms else 0.0
     if res.first_error:
         out["first_error"] = res.first_error
     return out
@@ -506,11 +525,15 @@ def progress_printer(name: str) -> Callable[[int, int], None]:
     return show
 
 
-def run_load(url: str, wl: Workload, settings: E2ESettings, name: str) -> LoadResult:
+def run_load(
+    url: str, wl: Workload, settings: E2ESettings, name: str, text: bool = False
+) -> LoadResult:
     """Run the load generator to completion (its own event loop)."""
     prog = progress_printer(name) if settings.progress else None
     return asyncio.run(
-        generate_load(url, wl.requests, settings.concurrency, settings.request_timeout_s, prog)
+        generate_load(
+            url, wl.requests, settings.concurrency, settings.request_timeout_s, prog, text
+        )
     )
 
 

@@ -88,7 +88,10 @@ def run_peer(
         except ProcError as e:
             raise PeerError(str(e)) from e
         before = fleet.counters()
-        res = run_load(base + "/v1/completions", wl, settings, name)
+        # sglang-router 0.3.2 accepts only text prompts on /v1/completions (HTTP 422 for
+        # token ids): it gets the same prompts as "t<id>" words (see completion_body).
+        text = name == "sglang_cache_aware"
+        res = run_load(base + "/v1/completions", wl, settings, name, text)
         after = fleet.counters()
         out = summarize(res, before, after, settings.speed, len(wl))
         if res.done == 0:
