@@ -385,6 +385,7 @@ class H2Connection(asyncio.Protocol):
         self.flush_scheduled = False
         self.goaway_sent = False
         self.closed = False
+        self.broken = False
         self.cont_sid = 0  # stream of a header block continued by CONTINUATION frames
         self.cont_flags = 0
         self.cont_block = bytearray()
@@ -435,6 +436,8 @@ class H2Connection(asyncio.Protocol):
             w.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self.broken:
+            return  # a connection error was answered with GOAWAY; closing
         buf = self.buf
         if buf:
             buf += data
@@ -735,6 +738,7 @@ class H2Connection(asyncio.Protocol):
 
     def abort_connection(self, why: str, code: int = PROTOCOL_ERROR) -> bool:
         log.warning("ext_proc HTTP/2 connection error: %s", why)
+        self.broken = True
         self.goaway_sent = False
         self.goaway(code, why)
         for s in list(self.streams.values()):
