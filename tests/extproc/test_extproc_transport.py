@@ -409,3 +409,23 @@ async def test_reset_after_routing_counts_as_routed(h2harness) -> None:
             break
         await asyncio.sleep(0.01)
     assert (count("routed"), count("cancelled")) == (routed + 1, cancelled + 1)
+
+
+async def test_reuse_port_lets_two_servers_share_the_port() -> None:
+    a, b, c = H2GrpcServer(), H2GrpcServer(), H2GrpcServer()
+    for s in (a, b, c):
+        s.add_handler(PATH, echo)
+    port = await a.start("127.0.0.1", 0, reuse_port=True)
+    try:
+        assert await b.start("127.0.0.1", port, reuse_port=True) == port
+        with pytest.raises(OSError):
+            await c.start("127.0.0.1", port)  # without SO_REUSEPORT the port is taken
+        await a.stop(0)  # the survivor keeps serving the port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = raw_call(ch)
+            await call.write(b"hi")
+            assert await call.read() == b"hi"
+            await call.done_writing()
+    finally:
+        await a.stop(0)
+        await b.stop(0)
