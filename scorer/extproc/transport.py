@@ -34,6 +34,7 @@ from typing import Any, NoReturn, Protocol, cast
 
 import grpc
 from hpack import Decoder as HpackDecoder  # type: ignore[import-untyped]
+from hpack import OversizedHeaderListError
 
 log = logging.getLogger("scorer.extproc.transport")
 
@@ -49,10 +50,10 @@ PADDED = 0x8
 PRIORITY_FLAG = 0x20
 # Error codes (RFC 9113 §7).
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x3, 0x7, 0x8
-FRAME_SIZE_ERROR = 0x6
+FRAME_SIZE_ERROR, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x6, 0x9, 0xB
 # SETTINGS identifiers (RFC 9113 §6.5.2).
 S_HEADER_TABLE_SIZE, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE = 0x1, 0x3, 0x4
-S_MAX_FRAME_SIZE = 0x5
+S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = 0x5, 0x6
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _HDR = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
@@ -64,6 +65,27 @@ MAX_WINDOW = 2**31 - 1
 RECV_WINDOW = 16 * 1024 * 1024
 CONN_RECV_WINDOW = 64 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024  # fewer frames for large bodies (peer default is 16,384)
+
+# Resource bounds (defaults of H2GrpcServer; see docs/envoy.md, "Resource bounds").
+# Streams open at once per connection, advertised as SETTINGS_MAX_CONCURRENT_STREAMS;
+# one more is refused with RST_STREAM(REFUSED_STREAM) before any handler runs (RFC 9113
+# §5.1.2). Envoy opens one stream per request on a pool of connections.
+MAX_STREAMS = 1024
+# Header section bound, advertised as SETTINGS_MAX_HEADER_LIST_SIZE (RFC 9113 §6.5.2,
+# RFC 7541 §4.1 sizes: name + value + 32 per field). It bounds both the compressed
+# HEADERS + CONTINUATION block we buffer (checked before buffering a frame, against
+# CONTINUATION floods, CVE-2024-27316) and the decoded list (hpack's decoder limit).
+# Exceeding either is a connection error GOAWAY(ENHANCE_YOUR_CALM): the block cannot be
+# skipped undecoded without losing the HPACK dynamic table state. Envoy's ext_proc
+# request headers are ~200 bytes.
+MAX_HEADER_LIST = 64 * 1024
+# Rapid reset (CVE-2023-44487): a client reset of a stream whose handler had started
+# and which got no response yet costs one unit of a per-connection balance; each answered
+# stream earns one back, time earns RESET_REFILL_PER_S; the balance is capped at
+# RESET_BUDGET. Below zero: GOAWAY(ENHANCE_YOUR_CALM), no new streams, the connection
+# closes once its open streams end. Envoy resets followed streams only after our answer.
+RESET_BUDGET = 1000
+RESET_REFILL_PER_S = 100.0
 
 
 def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
@@ -196,7 +218,9 @@ class H2Stream:
         "_done",
         "_half_closed",
         "_headers_sent",
+        "_held",
         "_msgs",
+        "_sizes",
         "_waiter",
         "conn",
         "handler",
@@ -229,6 +253,11 @@ class H2Stream:
         self._done = False  # we sent our trailers or reset the stream
         self._cancelled = False
         self._credit = 0  # received bytes not yet returned with WINDOW_UPDATE
+        # Connection window held by this stream: message bytes buffered and not read yet.
+        # `_sizes` has the wire size of each queued message (None once the stream is
+        # dropped and its bytes were returned to the connection window).
+        self._held = 0
+        self._sizes: deque[int] | None = deque()
         self._deserialize = deserialize
         self.handler: Handler | None = None  # set until the handler task starts
 
@@ -245,6 +274,11 @@ class H2Stream:
             finally:
                 self._waiter = None
         m = self._msgs.popleft()
+        sizes = self._sizes
+        if sizes and m is not EOF:
+            n = sizes.popleft()
+            self._held -= n
+            self.conn.conn_credit_add(n)
         if self._credit >= RECV_WINDOW // 2:
             # Return stream credit only for data the handler has taken (back-pressure).
             self.conn.stream_credit(self.sid, self._credit)
@@ -259,6 +293,7 @@ class H2Stream:
         conn = self.conn
         if not self._headers_sent:
             self._headers_sent = True
+            conn.reset_balance += 1  # an answered stream (rapid reset accounting)
             conn.send(frame(HEADERS, END_HEADERS, self.sid, _RESPONSE_HEADERS))
         n = len(data) + 5
         if (
@@ -297,6 +332,7 @@ class H2Stream:
         """Buffer DATA; queue whole messages. Returns an error text for a bad message."""
         self._credit += flow_len
         if data:
+            self._held += len(data)
             buf = self._buf
             buf += data
             while len(buf) >= 5:
@@ -310,6 +346,8 @@ class H2Stream:
                 raw = bytes(buf[5 : 5 + n])
                 del buf[: 5 + n]
                 self._msgs.append(self._deserialize(raw) if self._deserialize else raw)
+                if self._sizes is not None:
+                    self._sizes.append(5 + n)
         if end:
             self._half_closed = True
             if self._buf:
@@ -351,12 +389,22 @@ class H2Stream:
         block = status_trailers(code, message)
         if not self._headers_sent:
             block = _RESPONSE_HEADERS + block
+            conn.reset_balance += 1
         conn.send_headers(self.sid, block, END_STREAM)
         if not self._half_closed:
             # The peer is still sending (e.g. track_responses off): stop it without error
             # (RFC 9113 §8.1).
             conn.send(frame(RST_STREAM, 0, self.sid, _U32.pack(NO_ERROR)))
-        conn.closed_stream(self)
+        conn.drop(self)
+
+    def release(self) -> None:
+        """The stream left the connection: return what its unread data holds of the
+        connection window (read() returns nothing more from now on)."""
+        if self._sizes is not None:
+            self._sizes = None
+            if self._held:
+                self.conn.conn_credit_add(self._held)
+                self._held = 0
 
 
 class H2Connection(asyncio.Protocol):
@@ -371,7 +419,7 @@ class H2Connection(asyncio.Protocol):
         self.preface_ok = False
         self.streams: dict[int, H2Stream] = {}
         self.last_sid = 0
-        self.decoder = HpackDecoder()
+        self.decoder = HpackDecoder(max_header_list_size=server.max_header_list)
         # Envoy sends the same header block for every ext_proc stream (indexed fields plus
         # a literal `:path` it never indexes). A block that does not change the dynamic
         # table decodes to the same headers for as long as the table is unchanged.
@@ -380,7 +428,15 @@ class H2Connection(asyncio.Protocol):
         self.peer_initial_window = 65_535
         self.peer_max_frame = 16_384
         self.send_window = 65_535  # connection-level, ours towards the peer
-        self.conn_credit = 0
+        self.conn_credit = 0  # connection window released, not yet sent as WINDOW_UPDATE
+        # Connection window the peer has used and we have not returned (RFC 9113 §6.9.1):
+        # received DATA minus WINDOW_UPDATEs sent. Our window is CONN_RECV_WINDOW (the
+        # WINDOW_UPDATE sent with our SETTINGS); more is a FLOW_CONTROL_ERROR.
+        self.recv_unacked = 0
+        # Rapid reset balance (see RESET_BUDGET): +1 per answered stream, -1 per reset of
+        # a started, unanswered stream, refilled over time and capped when it is spent.
+        self.reset_balance = float(server.reset_budget)
+        self.reset_at = self.loop.time()
         self.out: list[bytes] = []
         self.flush_scheduled = False
         self.goaway_sent = False
@@ -404,8 +460,10 @@ class H2Connection(asyncio.Protocol):
         settings = b"".join(
             struct.pack(">HI", k, v)
             for k, v in (
+                (S_MAX_CONCURRENT_STREAMS, self.server.max_streams),
                 (S_INITIAL_WINDOW_SIZE, RECV_WINDOW),
                 (S_MAX_FRAME_SIZE, OUR_MAX_FRAME),
+                (S_MAX_HEADER_LIST_SIZE, self.server.max_header_list),
             )
         )
         self.send(frame(SETTINGS, 0, 0, settings))
@@ -491,6 +549,8 @@ class H2Connection(asyncio.Protocol):
         if ftype == CONTINUATION:
             if sid != self.cont_sid or not sid:
                 return self.abort_connection("unexpected CONTINUATION")
+            if len(self.cont_block) + len(payload) > self.server.max_header_list:
+                return self.abort_connection("header block too large", ENHANCE_YOUR_CALM)
             self.cont_block += payload
             if flags & END_HEADERS:
                 block = bytes(self.cont_block)
@@ -519,9 +579,12 @@ class H2Connection(asyncio.Protocol):
                 self.send(frame(PING, ACK, 0, bytes(payload)))
             return True
         if ftype == RST_STREAM:
-            s = self.streams.pop(sid, None)
+            s = self.streams.get(sid)
             if s is not None:
+                self.drop(s)
                 s.on_reset()
+                if s.task is not None and not s._headers_sent:
+                    return self.premature_reset()
             return True
         if ftype == GOAWAY:
             # The peer opens no new streams here; the open ones run to their end.
@@ -531,6 +594,8 @@ class H2Connection(asyncio.Protocol):
         return True  # PRIORITY and unknown frame types are ignored (RFC 9113 §4.1, §5.5)
 
     def on_data_frame(self, flags: int, sid: int, payload: memoryview) -> bool:
+        if sid == 0:
+            return self.abort_connection("DATA on stream 0")  # RFC 9113 §6.1
         flow_len = len(payload)
         data: memoryview = payload
         if flags & PADDED:
@@ -540,13 +605,29 @@ class H2Connection(asyncio.Protocol):
             if pad >= len(payload):
                 return self.abort_connection("bad padding")
             data = payload[1 : len(payload) - pad]
+        # Flow control counts the whole payload, padding included (RFC 9113 §6.1, §6.9.1),
+        # as the credit we return does.
+        self.recv_unacked += flow_len
+        if self.recv_unacked > CONN_RECV_WINDOW:
+            return self.abort_connection("connection window exceeded", FLOW_CONTROL_ERROR)
         s = self.streams.get(sid)
         if s is None:
             # A stream we closed (or reset): the data still used connection window.
             self.conn_credit_add(flow_len)
             return True
-        # Connection credit is returned on receipt; streams get theirs back when read.
-        self.conn_credit_add(flow_len)
+        if s._credit + flow_len > RECV_WINDOW:
+            # More than the stream window we granted (RFC 9113 §6.9): stream error.
+            self.send(frame(RST_STREAM, 0, sid, _U32.pack(FLOW_CONTROL_ERROR)))
+            self.conn_credit_add(flow_len)
+            self.drop(s)
+            s.on_reset()
+            s.cancel_handler()
+            return True
+        # Connection credit for message bytes is returned as the handler reads them (or
+        # when the stream goes), so the connection window bounds what we buffer; padding
+        # is returned at once. Streams get their credit back when read.
+        if flow_len != len(data):
+            self.conn_credit_add(flow_len - len(data))
         err = s.on_data(data, flow_len, bool(flags & END_STREAM))
         if err is not None:
             # UNIMPLEMENTED / RESOURCE_EXHAUSTED / INTERNAL, then stop the handler.
@@ -567,6 +648,8 @@ class H2Connection(asyncio.Protocol):
             start += 5
         if start > end or sid == 0:
             return self.abort_connection("bad HEADERS frame")
+        if end - start > self.server.max_header_list:
+            return self.abort_connection("header block too large", ENHANCE_YOUR_CALM)
         block = bytes(payload[start:end])
         if not flags & END_HEADERS:
             self.cont_sid = sid
@@ -583,8 +666,10 @@ class H2Connection(asyncio.Protocol):
             try:
                 # The decoder must see every block in order: it keeps the dynamic table.
                 headers = cast(list[tuple[str, str]], self.decoder.decode(block, raw=False))
+            except OversizedHeaderListError:
+                return self.abort_connection("header list too large", ENHANCE_YOUR_CALM)
             except Exception as e:  # hpack raises its own error types
-                return self.abort_connection(f"HPACK: {e}", 0x9)  # COMPRESSION_ERROR
+                return self.abort_connection(f"HPACK: {e}", COMPRESSION_ERROR)
             if table_neutral(block):
                 if len(self.header_cache) >= 64:
                     self.header_cache.clear()
@@ -597,12 +682,16 @@ class H2Connection(asyncio.Protocol):
             if end:
                 s.on_data(b"", 0, True)
             return True
-        if sid % 2 == 0 or sid <= self.last_sid:
-            if sid <= self.last_sid:
-                return True  # trailers of a stream we already closed
-            return self.abort_connection("bad stream id")
+        if sid % 2 == 0:  # client streams are odd (RFC 9113 §5.1.1)
+            return self.abort_connection("even stream id")
+        if sid <= self.last_sid:
+            # Trailers of a stream we already closed (we may have reset it: §5.1 says to
+            # ignore such frames); a new stream cannot reuse or go below a used id.
+            return True
         self.last_sid = sid
-        if self.goaway_sent:
+        if self.goaway_sent or len(self.streams) >= self.server.max_streams:
+            # Over SETTINGS_MAX_CONCURRENT_STREAMS (RFC 9113 §5.1.2) or going away: refused
+            # (the client may retry it elsewhere, §8.7); no handler runs.
             self.send(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return True
         path = ""
@@ -628,6 +717,8 @@ class H2Connection(asyncio.Protocol):
         if sid != 0 or len(payload) % 6:
             return self.abort_connection("bad SETTINGS", FRAME_SIZE_ERROR)
         if flags & ACK:
+            if payload:  # RFC 9113 §6.5
+                return self.abort_connection("SETTINGS ACK with a payload", FRAME_SIZE_ERROR)
             return True
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)
@@ -706,19 +797,37 @@ class H2Connection(asyncio.Protocol):
                     w.set_result(None)
 
     def conn_credit_add(self, n: int) -> None:
+        """Release `n` bytes of our connection receive window (sent back in batches)."""
         self.conn_credit += n
         if self.conn_credit >= CONN_RECV_WINDOW // 4:
             self.send(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.conn_credit)))
+            self.recv_unacked -= self.conn_credit
             self.conn_credit = 0
 
     def stream_credit(self, sid: int, n: int) -> None:
         if sid in self.streams and not self.closed:
             self.send(frame(WINDOW_UPDATE, 0, sid, _U32.pack(n)))
 
-    def closed_stream(self, s: H2Stream) -> None:
+    def drop(self, s: H2Stream) -> None:
+        """Remove a stream that ended (or was reset) and return its connection window."""
         self.streams.pop(s.sid, None)
-        if self.server.draining and not self.streams:
+        s.release()
+        if self.goaway_sent and not self.streams:
             self.close_soon()
+
+    def premature_reset(self) -> bool:
+        """Account a client reset of a started, unanswered stream (rapid reset,
+        CVE-2023-44487). Over the budget: GOAWAY(ENHANCE_YOUR_CALM); streams already open
+        run to their end, new ones are refused, then the connection closes."""
+        now = self.loop.time()
+        server = self.server
+        balance = self.reset_balance + (now - self.reset_at) * server.reset_refill_per_s
+        self.reset_balance = min(balance, float(server.reset_budget)) - 1.0
+        self.reset_at = now
+        if self.reset_balance < 0 and not self.goaway_sent:
+            log.warning("ext_proc HTTP/2: too many streams reset before an answer; GOAWAY")
+            self.goaway(ENHANCE_YOUR_CALM, "too many resets")
+        return True
 
     def goaway(self, code: int = NO_ERROR, text: str = "") -> None:
         if not self.goaway_sent:
@@ -764,8 +873,20 @@ def unary(fn: Callable[[Any, Any], Awaitable[Any]]) -> Handler:
 class H2GrpcServer:
     """gRPC bidi-stream server: `add_handler(path, handler, deserialize)`, `start`, `stop`."""
 
-    def __init__(self, max_message: int = 80 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        max_message: int = 80 * 1024 * 1024,
+        *,
+        max_streams: int = MAX_STREAMS,
+        max_header_list: int = MAX_HEADER_LIST,
+        reset_budget: int = RESET_BUDGET,
+        reset_refill_per_s: float = RESET_REFILL_PER_S,
+    ) -> None:
         self.max_message = max_message
+        self.max_streams = max_streams
+        self.max_header_list = max_header_list
+        self.reset_budget = reset_budget
+        self.reset_refill_per_s = reset_refill_per_s
         self.handlers: dict[str, tuple[Handler, Callable[[bytes], Any] | None]] = {}
         self.connections: set[H2Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()

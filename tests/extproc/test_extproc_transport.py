@@ -429,3 +429,228 @@ async def test_reuse_port_lets_two_servers_share_the_port() -> None:
     finally:
         await a.stop(0)
         await b.stop(0)
+
+
+# ---------------------------------------------------------------- resource bounds
+
+MiB = 1024 * 1024
+
+
+def _until_eof(c: RawClient) -> list[tuple[int, int, int, bytes]]:
+    """Every frame until the server closes the connection."""
+    return c.frames(lambda t, fl, sid, p: False)
+
+
+def _goaway_code(fs: list[tuple[int, int, int, bytes]]) -> int:
+    """The error code of the last frame, which must be a GOAWAY (nothing after it)."""
+    t, _, sid, p = fs[-1]
+    assert (t, sid) == (T.GOAWAY, 0), fs[-3:]
+    return int(struct.unpack(">I", p[4:8])[0])
+
+
+def _ping(c: RawClient, tag: bytes) -> list[tuple[int, int, int, bytes]]:
+    """Frames up to the answer of a PING: everything the server sent before it."""
+    c.send(T.frame(T.PING, 0, 0, tag))
+    return c.frames(lambda t, fl, sid, p: t == T.PING and p == tag)
+
+
+def _rst(sid: int, code: int = T.CANCEL) -> bytes:
+    return T.frame(T.RST_STREAM, 0, sid, struct.pack(">I", code))
+
+
+def _msg_frame(sid: int, size: int, pad: int | None = None) -> bytes:
+    """A DATA frame of `size` payload bytes (padding included) holding one whole message."""
+    if pad is None:
+        return T.frame(T.DATA, 0, sid, struct.pack(">BI", 0, size - 5) + b"m" * (size - 5))
+    n = size - 1 - pad - 5
+    body = bytes([pad]) + struct.pack(">BI", 0, n) + b"m" * n + b"\0" * pad
+    return T.frame(T.DATA, T.PADDED, sid, body)
+
+
+@pytest.fixture
+async def server_with() -> AsyncIterator[Callable[..., Awaitable[tuple[H2GrpcServer, int]]]]:
+    servers: list[H2GrpcServer] = []
+
+    async def make(**kw: Any) -> tuple[H2GrpcServer, int]:
+        s = H2GrpcServer(max_message=MiB, **kw)
+        s.add_handler(PATH, echo)
+        servers.append(s)
+        return s, await s.start("127.0.0.1", 0)
+
+    try:
+        yield make
+    finally:
+        for s in servers:
+            await s.stop(0.1)
+
+
+async def test_max_concurrent_streams_is_advertised_and_enforced(server_with) -> None:
+    server, port = await server_with(max_streams=2)
+    c = RawClient(port)
+    try:
+        fs = await asyncio.to_thread(c.frames, lambda t, fl, sid, p: t == T.SETTINGS)
+        settings = dict(struct.iter_unpack(">HI", fs[-1][3]))
+        assert settings[T.S_MAX_CONCURRENT_STREAMS] == 2
+        assert settings[T.S_MAX_HEADER_LIST_SIZE] == T.MAX_HEADER_LIST == 64 * 1024
+        opened = b"".join(c.headers(sid, []) + c.message(sid, b"hang") for sid in (1, 3))
+        third = c.headers(5, []) + c.message(5, b"x", end=True)
+        await asyncio.to_thread(c.send, opened + third)
+        fs = await asyncio.to_thread(c.frames, lambda t, fl, sid, p: t == T.RST_STREAM)
+        assert fs[-1][2:] == (5, struct.pack(">I", T.REFUSED_STREAM))  # RFC 9113 §5.1.2
+        assert len(server.tasks) == 2  # the refused stream started no handler
+        assert not [f for f in fs if f[2] == 5 and f[0] != T.RST_STREAM]
+        # A slot freed by a reset is usable again.
+        await asyncio.to_thread(c.send, _rst(1) + c.headers(7, []) + c.message(7, b"y", end=True))
+        fs = await asyncio.to_thread(
+            c.frames, lambda t, fl, sid, p: sid == 7 and t == T.HEADERS and fl & T.END_STREAM
+        )
+        assert [p[5:] for t, _, sid, p in fs if t == T.DATA and sid == 7] == [b"y"]
+    finally:
+        c.close()
+
+
+def _big_literal_then_indexed(times: int) -> bytes:
+    """A small HPACK block that decodes large: one 4,000-byte header added to the dynamic
+    table (RFC 7541 §6.2.1), then indexed `times` more times (index 62, §2.3.3)."""
+    literal = b"\x40" + T._hpack_int(1, 7, 0) + b"x" + T._hpack_int(4000, 7, 0) + b"a" * 4000
+    return literal + b"\xbe" * times
+
+
+@pytest.mark.parametrize(
+    "shape", ["one_headers_frame", "continuation_flood", "decoded_list_too_large"]
+)
+async def test_header_block_bound_is_a_connection_error(bare, shape: str) -> None:
+    """Over SETTINGS_MAX_HEADER_LIST_SIZE: GOAWAY(ENHANCE_YOUR_CALM) and close, without
+    buffering the rest of a block (CONTINUATION flood, CVE-2024-27316)."""
+    _, port = bare
+    c = RawClient(port)
+    try:
+        if shape == "one_headers_frame":
+            data = T.frame(T.HEADERS, T.END_HEADERS, 1, b"\x88" * (T.MAX_HEADER_LIST + 1))
+        elif shape == "continuation_flood":
+            # No END_HEADERS: the block stays open; 16 KiB pieces until one more would
+            # pass 64 KiB. Nothing is sent after the frame that crosses the bound.
+            data = T.frame(T.HEADERS, 0, 1, b"\x88" * 16_384)
+            data += b"".join(T.frame(T.CONTINUATION, 0, 1, b"\x88" * 16_384) for _ in range(3))
+            data += T.frame(T.CONTINUATION, 0, 1, b"\x88")
+        else:
+            block = _big_literal_then_indexed(20)  # ~4 KB on the wire, ~80 KB decoded
+            assert len(block) < 5000
+            data = T.frame(T.HEADERS, T.END_HEADERS | T.END_STREAM, 1, block)
+        await asyncio.to_thread(c.send, data)
+        fs = await asyncio.to_thread(_until_eof, c)
+        assert _goaway_code(fs) == T.ENHANCE_YOUR_CALM
+    finally:
+        c.close()
+
+
+async def test_stream_window_overrun_is_a_stream_flow_control_error(bare) -> None:
+    """DATA beyond the 16 MiB stream window we granted (padding counts, RFC 9113 §6.1):
+    RST_STREAM(FLOW_CONTROL_ERROR); the connection lives on."""
+    server, port = bare
+    c = RawClient(port)
+    try:
+        hang = c.message(1, b"hang")  # 9 flow-controlled bytes, read by the handler
+        await asyncio.to_thread(c.send, c.headers(1, []) + hang)
+        # The handler no longer reads: nothing is credited back. 15 padded 1 MiB frames
+        # and one of 1 MiB - 9 fill the window exactly: allowed.
+        full = b"".join(_msg_frame(1, MiB, pad=255) for _ in range(15))
+        full += _msg_frame(1, MiB - 9, pad=255)
+        await asyncio.to_thread(c.send, full)
+        fs = await asyncio.to_thread(_ping, c, b"window=0")
+        assert not [f for f in fs if f[0] in (T.RST_STREAM, T.GOAWAY)]
+        assert not [f for f in fs if f[0] == T.WINDOW_UPDATE and f[2] == 1]
+        await asyncio.to_thread(c.send, T.frame(T.DATA, 0, 1, b"\0"))  # one byte over
+        fs = await asyncio.to_thread(c.frames, lambda t, fl, sid, p: t == T.RST_STREAM)
+        assert fs[-1][2:] == (1, struct.pack(">I", T.FLOW_CONTROL_ERROR))
+        for _ in range(100):
+            if not server.tasks:
+                break
+            await asyncio.sleep(0.01)
+        assert not server.tasks  # the handler was cancelled
+        await asyncio.to_thread(c.send, c.headers(3, []) + c.message(3, b"z", end=True))
+        fs = await asyncio.to_thread(
+            c.frames, lambda t, fl, sid, p: sid == 3 and t == T.HEADERS and fl & T.END_STREAM
+        )
+        assert [p[5:] for t, _, sid, p in fs if t == T.DATA and sid == 3] == [b"z"]
+    finally:
+        c.close()
+
+
+async def test_connection_window_overrun_is_a_connection_flow_control_error(bare) -> None:
+    """Unread data holds the 64 MiB connection window (credit returns as handlers read):
+    five streams within their own windows but over the connection's get
+    GOAWAY(FLOW_CONTROL_ERROR), so a peer ignoring flow control cannot make us buffer
+    more than 64 MiB per connection."""
+    _, port = bare
+    c = RawClient(port)
+    try:
+        chunk = _msg_frame(0, MiB)[9:]
+        for sid in (1, 3, 5, 7, 9):
+            # 4 x (9 + 13 MiB) + 9 + 12 MiB > 64 MiB: the 12th frame on stream 9 crosses.
+            frames_ = b"".join(T.frame(T.DATA, 0, sid, chunk) for _ in range(13 if sid < 9 else 12))
+            await asyncio.to_thread(c.send, c.headers(sid, []) + c.message(sid, b"hang") + frames_)
+        fs = await asyncio.to_thread(_until_eof, c)
+        assert _goaway_code(fs) == T.FLOW_CONTROL_ERROR
+        assert not [f for f in fs if f[0] == T.RST_STREAM]
+        assert not [f for f in fs if f[0] == T.WINDOW_UPDATE and f[2] == 0][1:]  # only the first
+    finally:
+        c.close()
+
+
+async def test_rapid_reset_gets_goaway_but_resets_after_an_answer_do_not(server_with) -> None:
+    server, port = await server_with(reset_budget=20, reset_refill_per_s=0.0)
+    c = RawClient(port)
+    try:
+        # Envoy's pattern: answer first, then the client resets the stream. Never counted.
+        for sid in range(1, 101, 2):
+            await asyncio.to_thread(c.send, c.headers(sid, []) + c.message(sid, b"a"))
+            await asyncio.to_thread(c.frames, lambda t, fl, s, p, sid=sid: s == sid and t == T.DATA)
+            await asyncio.to_thread(c.send, _rst(sid))
+        # A long-lived stream that must survive the GOAWAY below.
+        await asyncio.to_thread(c.send, c.headers(101, []) + c.message(101, b"keep"))
+        await asyncio.to_thread(c.frames, lambda t, fl, s, p: s == 101 and t == T.DATA)
+
+        def resets(sids: range) -> bytes:
+            return b"".join(c.headers(s, []) + c.message(s, b"hang") + _rst(s) for s in sids)
+
+        # Resets of started, unanswered streams: the budget (20) allows 20.
+        await asyncio.to_thread(c.send, resets(range(103, 143, 2)))
+        fs = await asyncio.to_thread(_ping, c, b"budget=0")
+        assert not [f for f in fs if f[0] == T.GOAWAY]
+        await asyncio.to_thread(c.send, resets(range(143, 145, 2)))  # the 21st
+        fs = await asyncio.to_thread(c.frames, lambda t, fl, s, p: t == T.GOAWAY)
+        last_sid, code = struct.unpack(">II", fs[-1][3][:8])
+        assert (code, last_sid) == (T.ENHANCE_YOUR_CALM, 143)
+        # Graceful: the open stream still works, new streams are refused, and the
+        # connection closes when the last open stream ends.
+        await asyncio.to_thread(c.send, c.headers(145, []) + c.message(101, b"b", end=True))
+        fs = await asyncio.to_thread(_until_eof, c)
+        assert (T.RST_STREAM, 145, struct.pack(">I", T.REFUSED_STREAM)) in [
+            (t, s, p) for t, _, s, p in fs
+        ]
+        assert [p[5:] for t, _, s, p in fs if t == T.DATA and s == 101] == [b"b"]
+        assert not server.tasks or all(t.done() for t in server.tasks)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "case", ["settings_ack_with_payload", "headers_on_even_stream", "data_on_stream_0"]
+)
+async def test_protocol_errors_close_the_connection(bare, case: str) -> None:
+    _, port = bare
+    c = RawClient(port)
+    try:
+        if case == "settings_ack_with_payload":  # RFC 9113 §6.5: FRAME_SIZE_ERROR
+            data, want = T.frame(T.SETTINGS, T.ACK, 0, struct.pack(">HI", 4, 1)), T.FRAME_SIZE_ERROR
+        elif case == "data_on_stream_0":  # §6.1: PROTOCOL_ERROR
+            data, want = c.message(0, b"x"), T.PROTOCOL_ERROR
+        else:  # §5.1.1: client streams are odd; an even one is PROTOCOL_ERROR
+            data = c.headers(3, []) + c.message(3, b"hang") + c.headers(2, [])
+            want = T.PROTOCOL_ERROR
+        await asyncio.to_thread(c.send, data)
+        fs = await asyncio.to_thread(_until_eof, c)
+        assert _goaway_code(fs) == want
+    finally:
+        c.close()
