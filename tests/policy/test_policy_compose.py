@@ -142,7 +142,7 @@ class Events:
 
 
 def test_stale_stream_gets_reduced_credit_until_it_recovers() -> None:
-    opts = {"credit_decay": 0, "stale_credit": 0.5, "speculative": False}
+    opts = {"credit_decay": 0, "stale_credit": 0.5, "speculative": False, "prefill_load_scale": 1.0}
     s = make(2, events=True, options=opts)
     pol = s.policy
     clock = Clock()

@@ -39,7 +39,7 @@ def test_dynamo_design_doc_example_w2_wins() -> None:
     W2 caches 2 blocks, 3 queued, 1 decoding           → (3+4-2) + (1+4) = 5 + 5
     W3 caches the whole prompt, 2 queued, 5 decoding   → (2+4-4) + (5+4) = 2 + 9
     """
-    s = make(3, options={"credit_decay": 0})
+    s = make(3, options={"credit_decay": 0, "prefill_load_scale": 1.0})
     k = keys(4)
     hold(s.index, endpoint(1), k[:2])
     hold(s.index, endpoint(2), k)
@@ -62,7 +62,7 @@ def test_dynamo_design_doc_example_w2_wins() -> None:
 def test_vllm_router_medium_example_gpu_beats_disk() -> None:
     """vllm-router v0.13: 12 blocks on DISK vs 10 on GPU — the GPU worker wins (weights
     GPU 1.0, DISK 0.05: 12 x 0.05 = 0.6 block of credit vs 10)."""
-    s = make(2, options={"credit_decay": 0})
+    s = make(2, options={"credit_decay": 0, "prefill_load_scale": 1.0})
     k = keys(12)
     hold(s.index, endpoint(0), k, medium="DISK")
     hold(s.index, endpoint(1), k[:10], medium="GPU")
