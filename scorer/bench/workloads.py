@@ -160,21 +160,20 @@ def _finish(name: str, reqs: list[BenchRequest], params: dict[str, Any]) -> Work
     return Workload(name, reqs, params)
 
 
-def shared_prefix(
-    seed: int = 0,
-    groups: int = 64,
-    prompts_per_group: int = 16,
-    system_tokens: int = 2048,
-    question_tokens: int = 128,
-    output_tokens: int = 256,
-    rate: float | None = None,
+def _grouped(
+    name: str,
+    seed: int,
+    groups: int,
+    prompts_per_group: int,
+    system_tokens: int,
+    question_tokens: int,
+    output_tokens: int,
+    rate: float | None,
+    id_offset: int,
 ) -> Workload:
-    """SGLang's generated-shared-prefix: every group shares a system prompt.
-
-    All requests arrive at t=0 (SGLang's default request rate is infinite), in a shuffled
-    order so that one group's prompts are not adjacent; `rate` (req/s) spaces them as a
-    Poisson process instead.
-    """
+    """`groups` system prompts x `prompts_per_group` questions, in a shuffled order (one
+    group's prompts are not adjacent); all at t=0, or Poisson arrivals at `rate` req/s.
+    `id_offset` keeps each workload's synthetic token ids apart."""
     rng = random.Random(seed)
     reqs = []
     for g in range(groups):
@@ -188,8 +187,8 @@ def shared_prefix(
                     output_tokens=output_tokens,
                     group=f"g{g}",
                     segments=(
-                        (_SYSTEM + seed * 100_000 + g, system_tokens),
-                        (_QUESTION + seed * 1_000_000 + qid, question_tokens),
+                        (_SYSTEM + seed * 100_000 + id_offset + g, system_tokens),
+                        (_QUESTION + seed * 1_000_000 + 10 * id_offset + qid, question_tokens),
                     ),
                 )
             )
@@ -209,7 +208,27 @@ def shared_prefix(
         output_tokens=output_tokens,
         rate=rate,
     )
-    return Workload("shared-prefix", reqs, params)
+    return Workload(name, reqs, params)
+
+
+def shared_prefix(
+    seed: int = 0,
+    groups: int = 64,
+    prompts_per_group: int = 16,
+    system_tokens: int = 2048,
+    question_tokens: int = 128,
+    output_tokens: int = 256,
+    rate: float | None = None,
+) -> Workload:
+    """SGLang's generated-shared-prefix: every group shares a system prompt.
+
+    All requests arrive at t=0 (SGLang's default request rate is infinite); `rate` (req/s)
+    spaces them as a Poisson process instead.
+    """
+    return _grouped(
+        "shared-prefix", seed, groups, prompts_per_group, system_tokens, question_tokens,
+        output_tokens, rate, id_offset=0,
+    )  # fmt: skip
 
 
 def prefix_groups(
@@ -222,39 +241,10 @@ def prefix_groups(
     rate: float = 4.0,
 ) -> Workload:
     """llm-d's prefix-cache scenario: random group order, Poisson arrivals at `rate` req/s."""
-    rng = random.Random(seed)
-    reqs = []
-    for g in range(groups):
-        for q in range(prompts_per_group):
-            qid = g * prompts_per_group + q
-            reqs.append(
-                BenchRequest(
-                    index=qid,
-                    arrival_s=0.0,
-                    prompt_tokens=system_tokens + question_tokens,
-                    output_tokens=output_tokens,
-                    group=f"g{g}",
-                    segments=(
-                        (_SYSTEM + seed * 100_000 + 50_000 + g, system_tokens),
-                        (_QUESTION + seed * 1_000_000 + 500_000 + qid, question_tokens),
-                    ),
-                )
-            )
-    rng.shuffle(reqs)
-    t = 0.0
-    for r in reqs:
-        t += rng.expovariate(rate)
-        r.arrival_s = t
-    params = dict(
-        seed=seed,
-        groups=groups,
-        prompts_per_group=prompts_per_group,
-        system_tokens=system_tokens,
-        question_tokens=question_tokens,
-        output_tokens=output_tokens,
-        rate=rate,
-    )
-    return _finish("prefix-groups", reqs, params)
+    return _grouped(
+        "prefix-groups", seed, groups, prompts_per_group, system_tokens, question_tokens,
+        output_tokens, rate, id_offset=50_000,
+    )  # fmt: skip
 
 
 def chat(
