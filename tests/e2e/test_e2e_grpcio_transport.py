@@ -1,7 +1,8 @@
 """End to end with `server.extproc_transport: grpcio` (the non-default transport) behind a
 real Envoy: the whole test_e2e_envoy suite again (the `scorer` fixture below overrides
-conftest's for the imported tests), plus track_responses off in both body modes and a
-streaming response surviving shutdown. The default (asyncio) runs every other e2e test."""
+conftest's for the imported tests), plus track_responses off in both body modes
+(test_e2e_variants runs the shutdown-while-streaming test on both transports). The
+default (asyncio) runs every other e2e test."""
 
 from __future__ import annotations
 
@@ -70,31 +71,3 @@ async def test_track_responses_off_both_body_modes(backends: list[Backend], tran
         assert len(app.pool.inflight) == 0
     finally:
         await app.stop()
-
-
-async def test_grpcio_streaming_response_survives_scorer_shutdown(
-    backends: list[Backend],
-) -> None:
-    cfg = scorer_config(
-        [backends[0].endpoint],
-        server={"host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
-                "extproc_transport": "grpcio"},
-    )  # fmt: skip
-    app = App(cfg)
-    await app.start()
-    stopped = False
-    try:
-        async with EnvoyProcess(render_envoy_config(0, app.extproc_port, 0)) as e:
-            url = f"http://127.0.0.1:{e.listener_port}/sse"
-            backends[0].release.clear()
-            async with aiohttp.ClientSession() as s, s.post(url, data=body()) as r:
-                assert (await asyncio.wait_for(r.content.readline(), 5)).startswith(b"data:")
-                app.config.server.grace_period_s = 0.2
-                await app.stop()
-                stopped = True
-                backends[0].release.set()
-                rest = await asyncio.wait_for(r.read(), 5)
-            assert b"[DONE]" in rest
-    finally:
-        if not stopped:
-            await app.stop()

@@ -121,13 +121,21 @@ async def test_fail_open_default_is_overwritten_by_the_scorer(
         assert seen == {"b0", "b1", "b2"}
 
 
-async def test_streaming_response_survives_scorer_shutdown(backends: list[Backend]) -> None:
-    app = App(scorer_config([backends[0].endpoint]))
+@pytest.mark.parametrize("transport", ["asyncio", "grpcio"])
+async def test_streaming_response_survives_scorer_shutdown(
+    backends: list[Backend], transport: str
+) -> None:
+    server = {
+        "host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
+        "extproc_transport": transport,
+    }  # fmt: skip
+    app = App(scorer_config([backends[0].endpoint], server=server))
     await app.start()
     stopped = False
     try:
         async with EnvoyProcess(render_envoy_config(0, app.extproc_port, 0)) as e:
             url = f"http://127.0.0.1:{e.listener_port}/sse"
+            backends[0].release.clear()
             async with aiohttp.ClientSession() as s, s.post(url, data=BODY) as r:
                 assert (await asyncio.wait_for(r.content.readline(), 5)).startswith(b"data:")
                 app.config.server.grace_period_s = 0.2
