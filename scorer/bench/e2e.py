@@ -489,26 +489,40 @@ class ScorerRun:
 
     def decision_reasons(self) -> dict[str, int]:
         """Decisions by reason, from the scorer's kv_scorer_decisions_total counter."""
+        return self.counter("kv_scorer_decisions_total", ("reason",))
+
+    def counter(self, name: str, labels: Sequence[str]) -> dict[str, int]:
+        """A labelled counter of the scorer (see `counter_totals`); {} when unreachable."""
         status, text = http_get(self.admin_url + "/metrics", 5.0)
-        if status != 200:
-            return {}
-        out: dict[str, int] = {}
-        for line in text.splitlines():
-            if not line.startswith("kv_scorer_decisions_total{"):
-                continue
-            m = _REASON.search(line)
-            if m is None:
-                continue
-            try:
-                n = int(float(line.rsplit(" ", 1)[1]))
-            except (IndexError, ValueError):
-                continue
-            if n:
-                out[m.group(1)] = out.get(m.group(1), 0) + n
-        return dict(sorted(out.items()))
+        return counter_totals(text, name, labels) if status == 200 else {}
 
 
-_REASON = re.compile(r'reason="([^"]*)"')
+def counter_totals(text: str, name: str, labels: Sequence[str]) -> dict[str, int]:
+    """Sum a labelled Prometheus counter by the values of `labels`, keyed "a/b"."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        found = dict(_LABEL.findall(line))
+        try:
+            n = int(float(line.rsplit(" ", 1)[1]))
+        except (IndexError, ValueError):
+            continue
+        if n:
+            key = "/".join(found.get(k, "") for k in labels)
+            out[key] = out.get(key, 0) + n
+    return dict(sorted(out.items()))
+
+
+# What the scorer did with the workers' KV events and its own speculative entries during a
+# run: with the reasons, this tells a routing problem from an event-path problem.
+_DIAGNOSTICS = {
+    "events": ("kv_scorer_events_applied_total", ("type", "outcome")),
+    "speculative": ("kv_scorer_index_speculative_total", ("outcome",)),
+}
+
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def start_scorers(
@@ -573,14 +587,16 @@ def run_ours(
         run = ScorerRun(group, fleet, policy, settings).__enter__()
     try:
         before = fleet.counters()
-        reasons0 = run.decision_reasons()
+        counted = {"reasons": ("kv_scorer_decisions_total", ("reason",)), **_DIAGNOSTICS}
+        start = {key: run.counter(*spec) for key, spec in counted.items()}
         res = run_load(run.url, wl, settings, policy)
         after = fleet.counters()
         out = summarize(res, before, after, settings.speed, len(wl))
-        reasons = run.decision_reasons()
-        delta = {k: v - reasons0.get(k, 0) for k, v in reasons.items()}
-        if any(delta.values()):
-            out["reasons"] = {k: v for k, v in delta.items() if v}
+        for key, spec in counted.items():
+            now = run.counter(*spec)
+            delta = {k: v - start[key].get(k, 0) for k, v in now.items()}
+            if any(delta.values()):
+                out[key] = {k: v for k, v in delta.items() if v}
     finally:
         if own:
             run.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scorer.bench.e2e import LoadResult, summarize
+from scorer.bench.e2e import LoadResult, counter_totals, summarize
 from scorer.bench.procs import metric_sums
 from scorer.bench.report import check_results_shape, format_table
 
@@ -63,3 +63,24 @@ def test_summarize_uses_counter_deltas_and_model_time() -> None:
     assert out["ttft_p50_ms"] == 200.0  # 20 ms wall x speed 10
     assert out["throughput_rps"] == 0.15  # 3 done in 2 s wall = 20 s model
     assert out["requests"] == 4 and out["errors"] == 1
+
+
+def test_counter_totals_sums_a_labelled_counter_by_the_chosen_labels() -> None:
+    text = "\n".join(
+        [
+            "# TYPE kv_scorer_events_applied_total counter",
+            'kv_scorer_events_applied_total{outcome="ok",type="BlockStored"} 355.0',
+            'kv_scorer_events_applied_total{outcome="unknown_parent",type="BlockStored"} 2.0',
+            'kv_scorer_events_applied_total{outcome="ok",type="BlockRemoved"} 1885.0',
+            'kv_scorer_events_applied_total{outcome="ok",type="AllBlocksCleared"} 0.0',
+            'kv_scorer_events_applied_created{outcome="ok",type="BlockStored"} 1.7e9',
+        ]
+    )
+    by_both = counter_totals(text, "kv_scorer_events_applied_total", ("type", "outcome"))
+    assert by_both == {
+        "BlockRemoved/ok": 1885,
+        "BlockStored/ok": 355,
+        "BlockStored/unknown_parent": 2,
+    }
+    by_outcome = counter_totals(text, "kv_scorer_events_applied_total", ("outcome",))
+    assert by_outcome == {"ok": 2240, "unknown_parent": 2}
