@@ -282,7 +282,7 @@ class BlockIndex:
             s.counts[medium] -= removed
         return removed, unknown
 
-    def _drop_keys(self, s: _Slot, keys: Iterable[int]) -> None:
+    def _drop_keys(self, s: _Slot, keys: Sequence[int]) -> None:
         bit = 1 << s.bit
         for medium in MEDIA:
             if not s.counts[medium]:
