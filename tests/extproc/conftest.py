@@ -2,43 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
-
-import grpc
 import pytest
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from extproc_helpers import make_config
+from extproc_helpers import harness_fixture
 
-from scorer.app import App
-
-
-class Harness:
-    def __init__(self, app: App, channel: grpc.aio.Channel) -> None:
-        self.app = app
-        self.channel = channel
-        self.stub = ep_grpc.ExternalProcessorStub(channel)
-
-    def stream(self) -> Any:
-        return self.stub.Process()
-
-
-@pytest.fixture
-async def harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
-    """`h = await harness(**config_overrides)`: a started App and a channel to its port."""
-    started: list[tuple[App, grpc.aio.Channel]] = []
-
-    async def make(**over: Any) -> Harness:
-        app = App(make_config(**over))
-        await app.start()
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
-        started.append((app, ch))
-        return Harness(app, ch)
-
-    try:
-        yield make
-    finally:
-        for app, ch in started:
-            await ch.close()
-            app.config.server.grace_period_s = 0.5
-            await app.stop()
+# `h = await harness(**config_overrides)` on the configured default transport;
+# test_extproc_transport overrides it with grpcio to re-run the suites there.
+harness = pytest.fixture(harness_fixture(), name="harness")

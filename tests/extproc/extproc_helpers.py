@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
+from scorer.app import App
 from scorer.config import load_config
 
 WORKERS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.2:7003"]
@@ -86,3 +90,46 @@ def lb_metadata(resp: ep.ProcessingResponse) -> str:
         .struct_value.fields["x-gateway-destination-endpoint"]
         .string_value
     )
+
+
+class Harness:
+    """A started App and an ext_proc stub on a real channel to its port."""
+
+    def __init__(self, app: App, channel: grpc.aio.Channel) -> None:
+        self.app = app
+        self.channel = channel
+        self.stub = ep_grpc.ExternalProcessorStub(channel)
+
+    def stream(self) -> Any:
+        return self.stub.Process()
+
+
+def harness_fixture(transport: str | None = None) -> Any:
+    """An async fixture: `h = await harness(**config_overrides)`, every App stopped after.
+
+    `transport` forces `server.extproc_transport`; None keeps the configured default.
+    """
+
+    async def fixture() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+        started: list[tuple[App, grpc.aio.Channel]] = []
+
+        async def make(**over: Any) -> Harness:
+            if transport is not None:
+                over["server"] = {"extproc_transport": transport, **over.get("server", {})}
+            app = App(make_config(**over))
+            await app.start()
+            if transport is not None:
+                assert (app.extproc_h2 is not None) == (transport == "asyncio")
+            ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
+            started.append((app, ch))
+            return Harness(app, ch)
+
+        try:
+            yield make
+        finally:
+            for app, ch in started:
+                await ch.close()
+                app.config.server.grace_period_s = 0.5
+                await app.stop()
+
+    return fixture

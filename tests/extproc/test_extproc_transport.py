@@ -21,7 +21,13 @@ from typing import Any
 
 import grpc
 import pytest
-from extproc_helpers import PM, WORKERS, body_msg, headers_msg, make_config
+from extproc_helpers import (
+    PM,
+    WORKERS,
+    body_msg,
+    harness_fixture,
+    headers_msg,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hpack import Encoder
 from test_api_surfaces import *  # noqa: F403  (re-run the API suite on grpcio)
@@ -29,52 +35,15 @@ from test_extproc_contract import *  # noqa: F403  (re-run the contract on grpci
 from test_extproc_contract import completion, read
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
-from scorer.app import App
 from scorer.extproc import transport as T
 from scorer.extproc.transport import H2GrpcServer, H2Stream
 
 EOF_ = grpc.aio.EOF
 
 
-class Harness:
-    def __init__(self, app: App, channel: grpc.aio.Channel) -> None:
-        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-
-        self.app = app
-        self.channel = channel
-        self.stub = ep_grpc.ExternalProcessorStub(channel)
-
-    def stream(self) -> Any:
-        return self.stub.Process()
-
-
-def _harness_fixture(transport: str) -> Any:
-    async def fixture() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
-        started: list[tuple[App, grpc.aio.Channel]] = []
-
-        async def make(**over: Any) -> Harness:
-            server = {"extproc_transport": transport, **over.pop("server", {})}
-            app = App(make_config(server=server, **over))
-            await app.start()
-            assert (app.extproc_h2 is not None) == (transport == "asyncio")
-            ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
-            started.append((app, ch))
-            return Harness(app, ch)
-
-        try:
-            yield make
-        finally:
-            for app, ch in started:
-                await ch.close()
-                app.config.server.grace_period_s = 0.5
-                await app.stop()
-
-    return fixture
-
-
 # Overrides conftest's `harness` for every test in this module, the imported ones too.
-harness = pytest.fixture(_harness_fixture("grpcio"), name="harness")
-h2harness = pytest.fixture(_harness_fixture("asyncio"), name="h2harness")
+harness = pytest.fixture(harness_fixture("grpcio"), name="harness")
+h2harness = pytest.fixture(harness_fixture("asyncio"), name="h2harness")
 
 
 # ---------------------------------------------------------------- through the App
