@@ -310,6 +310,9 @@ class _Replay:
         self.reqs: list[_Req] = []
         self.errors = 0
         self.reasons: dict[str, int] = {}
+        # Per request in arrival order: (endpoint or "", reason, notes) when recording
+        # (bench/record_decisions.py pins decisions across refactors with it).
+        self.decided: list[tuple[str, str, str]] | None = None
         for w in self.pool:
             w.scraped.block_size = settings.block_size
             w.scraped.num_gpu_blocks = settings.capacity_blocks
@@ -375,6 +378,8 @@ class _Replay:
         cands = self.pool.eligible(MODEL, None)
         d = self.policy.decide(req, cands)
         self.reasons[str(d.reason)] = self.reasons.get(str(d.reason), 0) + 1
+        if self.decided is not None:
+            self.decided.append((d.endpoint or "", str(d.reason), ",".join(d.notes)))
         if not d.endpoints:
             self.error(r, self.now)
             return
@@ -480,6 +485,21 @@ def run_replay(
     res = _Replay(workload, keys, policy, settings).run()
     res.extra["wall_s"] = round(time.perf_counter() - t, 2)
     return res
+
+
+def record_decisions(
+    workload: Workload,
+    policy: str,
+    settings: ReplaySettings,
+    keys: RequestKeys | None = None,
+) -> list[tuple[str, str, str]]:
+    """Every decision of a replay, in arrival order: (endpoint, reason, notes)."""
+    if keys is None:
+        keys = RequestKeys(workload, settings.block_size)
+    replay = _Replay(workload, keys, policy, settings)
+    replay.decided = []
+    replay.run()
+    return replay.decided
 
 
 def oracle_token_hit_rate(workload: Workload, keys: RequestKeys) -> float:
