@@ -1,4 +1,4 @@
-"""Assemble and run the service: Config → Pool → components → Policy → Router → servers.
+"""Assemble and run the service: Config → Pool → components → Policy → Director → servers.
 
 Servers (the inference extension's ports by default):
   9002  gRPC: envoy.service.ext_proc.v3.ExternalProcessor, scorer.v1.Scorer, grpc.health.v1
@@ -33,13 +33,13 @@ from scorer.api.score import add_to_server as add_scorer
 from scorer.api.v1.scorer_pb2 import ScoreRequest
 from scorer.config import Config, ConfigError, load_config
 from scorer.decisions import DecisionLog
+from scorer.director import Director, RequestPreparer
 from scorer.extproc.servicer import ExtProcServicer
 from scorer.extproc.servicer import add_to_h2_server as add_extproc_h2
 from scorer.extproc.servicer import add_to_server as add_extproc
 from scorer.extproc.transport import H2GrpcServer, unary
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
-from scorer.router import RequestPreparer, Router
 
 log = logging.getLogger("scorer.app")
 
@@ -55,7 +55,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
     through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape".
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape".
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -129,10 +129,11 @@ class App:
         self.policy = make_policy(config, self.pool, self.services)
         preparer: RequestPreparer | None = self.services.get("tokens")
         self.decisions = DecisionLog(config.decisions.log_size)
-        self.router = Router(self.pool, self.policy, self.decisions, preparer)
+        self.director = Director(config, self.pool, self.policy, self.decisions, preparer)
+        self.services["events"].dry_run = self.director.dry_run
         self.health = Health()
-        self.extproc = ExtProcServicer(config, self.router)
-        self.scorer = ScorerService(self.router, self.services)
+        self.extproc = ExtProcServicer(config, self.director)
+        self.scorer = ScorerService(self.director, self.services.get("hasher"))
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):
