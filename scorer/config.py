@@ -35,7 +35,7 @@ class ServerConfig(Strict):
     # Set SO_REUSEPORT on the ext_proc port so several `kv-scorer serve` processes share
     # it (each keeps its own in-flight view and index; see docs/envoy.md).
     reuse_port: bool = False
-    # ext_proc port server: "asyncio" (our HTTP/2 gRPC server, scorer/extproc/transport.py:
+    # ext_proc port server: "asyncio" (our HTTP/2 gRPC server, scorer/extproc/transport/:
     # 2-3x less CPU per stream) or "grpcio" (grpc.aio). Both serve ext_proc, scorer.v1
     # Score and health Check there; health Watch only on the health port with "asyncio".
     extproc_transport: Literal["asyncio", "grpcio"] = "asyncio"
