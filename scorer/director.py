@@ -86,20 +86,30 @@ class RequestPreparer(Protocol):
 
 @dataclass(slots=True)
 class Completion:
-    """One finished request, as completion hooks see it (metrics, logs)."""
+    """One request the data path is done with, as completion hooks see it (metrics).
+
+    Emitted once per request that got a decision (never for dry runs): at the refusal, at
+    the routing answer when responses are not followed, else at the response's end.
+    """
 
     request_id: str
     model: str | None
-    endpoint: str
-    status: int | None  # the HTTP status the client got; None when the response never began
-    duration_s: float  # routed → end of response (or reset)
-    reset: bool  # ended by a reset (client gone, upstream failure) rather than end of stream
+    endpoint: str | None  # None when refused
+    routed: bool
+    # The HTTP status: the refusal's, or the worker's from the response headers; None
+    # when unknown (responses not followed, or reset before the response began).
+    status: int | None
+    from_model_server: bool  # `status` came from the worker's response
+    duration_s: float | None  # request headers → end of the response (followed only)
+    request_bytes: int | None
+    reset: bool = False  # ended by a reset (client gone, upstream failure)
 
 
 @dataclass(slots=True)
 class _Live:
     decision: Decision
-    started: float
+    started: float  # perf_counter at the request headers
+    request_bytes: int | None
     status: int | None = None
 
 
@@ -167,6 +177,7 @@ class Director:
         """The whole request is here: parse its body, decide, count it in flight."""
         if not body:
             return self.route_bodyless(request, dry_run)
+        request.body_bytes = len(body)
         t0 = time.perf_counter()
         try:
             doc = parse_body(body)
@@ -285,14 +296,38 @@ class Director:
         d.stages["total"] = time.perf_counter() - t0 + request.stages.get("parse", 0.0)
         self.decisions.add(d)
         observe_decision(d)
-        if d.endpoints and not request.dry_run and self.follows_responses:
+        if request.dry_run:
+            return d
+        size = request.body_bytes or None
+        if d.endpoints and self.follows_responses:
             bs = request.block_size or self._block_size
             total = request.prompt_tokens / bs
             prefill = max(total - d.matched_tokens / bs, 0.0)
             rid = request.request_id
             self.inflight.routed(rid, d.endpoints[0], request.prompt_tokens, prefill, total)
-            self._live[rid] = _Live(d, time.monotonic())
+            self._live[rid] = _Live(d, request.started, size)
+        elif self.completion_hooks:
+            routed = bool(d.endpoints)
+            self._complete(
+                Completion(
+                    request_id=request.request_id,
+                    model=request.model,
+                    endpoint=d.endpoint,
+                    routed=routed,
+                    status=None if routed else d.status,
+                    from_model_server=False,
+                    duration_s=None,
+                    request_bytes=size,
+                )
+            )
         return d
+
+    def _complete(self, done: Completion) -> None:
+        for hook in self.completion_hooks:
+            try:
+                hook(done)
+            except Exception:  # a broken hook must not break the data path
+                log.exception("completion hook %r failed", hook)
 
     async def dry_run(self, body: Mapping[str, Any]) -> Decision:
         """The decision for a request body, changing no state (`/debug/score`).
@@ -347,21 +382,20 @@ class Director:
         self.inflight.finished(request_id)
         if reset and live.status is None:
             live.decision.notes.append("reset_before_response")
-        if not self.completion_hooks:
-            return
-        done = Completion(
-            request_id=request_id,
-            model=live.decision.model,
-            endpoint=endpoint,
-            status=live.status,
-            duration_s=time.monotonic() - live.started,
-            reset=reset,
-        )
-        for hook in self.completion_hooks:
-            try:
-                hook(done)
-            except Exception:  # a broken hook must not break the data path
-                log.exception("completion hook %r failed", hook)
+        if self.completion_hooks:
+            self._complete(
+                Completion(
+                    request_id=request_id,
+                    model=live.decision.model,
+                    endpoint=endpoint,
+                    routed=True,
+                    status=live.status,
+                    from_model_server=live.status is not None,
+                    duration_s=time.perf_counter() - live.started,
+                    request_bytes=live.request_bytes,
+                    reset=reset,
+                )
+            )
 
     def __len__(self) -> int:
         """Requests in flight (followed)."""

@@ -59,6 +59,7 @@ class RoutingRequest:
     block_size: int = 0
     prompt_tokens: int = 0  # exact when tokenized, else an estimate from the body size
     tokenize_error: str | None = None
+    body_bytes: int = 0  # size of the request body as received
     # A dry run (Score RPC, /debug/score) decides without changing any state: no
     # speculative inserts, no session binding, no round-robin step, no in-flight entry.
     dry_run: bool = False

@@ -131,6 +131,15 @@ def served_endpoint(req: ep.ProcessingRequest) -> str | None:
     return vals[0] if vals else None
 
 
+def response_status(req: ep.ProcessingRequest) -> int:
+    """The `:status` of a response_headers message (0 when absent or not a number)."""
+    for h in req.response_headers.headers.headers:
+        if h.key == ":status":
+            raw = h.raw_value.decode("ascii", "replace") if h.raw_value else h.value
+            return int(raw) if raw.isdigit() and len(raw) == 3 else 0
+    return 0
+
+
 # ---------------------------------------------------------------------------- responses
 
 
@@ -197,15 +206,6 @@ def immediate_response(status: int, json_body: bytes, details: str) -> ep.Proces
     ir.headers.set_headers.append(_set_header("content-type", "application/json"))
     ir.details = details
     return resp
-
-
-def response_status(headers: ep.HttpHeaders) -> int | None:
-    """The `:status` of response headers, or None when absent or not a number."""
-    for h in headers.headers.headers:
-        if h.key == ":status":
-            v = h.raw_value or h.value.encode()
-            return int(v) if v.isdigit() else None
-    return None
 
 
 def http_status_name(status: int) -> str:

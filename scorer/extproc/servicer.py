@@ -297,7 +297,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
             if k == "response_headers":
-                status = P.response_status(m.response_headers)
+                status = P.response_status(m) or None
                 if self.director.response_started(rid, status, P.served_endpoint(m)):
                     SERVED_MOVED.inc()
                 await context.write(self._continue_response_headers)

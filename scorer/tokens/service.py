@@ -2,7 +2,7 @@
 
 `Tokenization` owns the tokenizer registry (one tokenizer per model, LoRA adapters share
 their base model's), the segment cache and a small thread pool, and implements the
-`RequestPreparer` protocol of scorer.router.
+`RequestPreparer` protocol of scorer.director.
 
 Completions (`prompt`): a string is tokenized with the tokenizer's default
 `add_special_tokens=True` (vLLM's default for /v1/completions); a list of ints is taken as
