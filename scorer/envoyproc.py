@@ -294,8 +294,7 @@ Destination = Literal["original_dst", "override_host"]
 
 _TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _OVERRIDE_HOST = (
-    "type.googleapis.com/"
-    "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
 )
 _ROUND_ROBIN = (
     "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"

@@ -92,9 +92,7 @@ def test_kgateway_shape() -> None:
     doc = yaml.safe_load((DIR / "kgateway.yaml").read_text())
     base, over = ext_proc(doc)
     assert base["message_timeout"] == "5s"
-    assert base["metadata_options"]["forwarding_namespaces"]["untyped"] == [
-        "envoy.lb.subset_hint"
-    ]
+    assert base["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb.subset_hint"]
     assert base["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
     assert over["grpc_service"]["timeout"] == "10s"
     assert clusters(doc)["pool"]["type"] == "ORIGINAL_DST"

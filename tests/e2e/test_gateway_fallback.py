@@ -34,9 +34,7 @@ async def test_override_host_serves_the_fallback_when_the_primary_is_down(
     live = backends[0]
     # round_robin over [dead, live] with one fallback: every other request has the dead
     # endpoint first and the live one as its fallback.
-    app = App(
-        scorer_config([dead, live.endpoint], policies={"round_robin": {"fallbacks": 1}})
-    )
+    app = App(scorer_config([dead, live.endpoint], policies={"round_robin": {"fallbacks": 1}}))
     await app.start()
     try:
         cfg = render_gateway_config(
