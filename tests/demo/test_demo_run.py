@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from scorer.bench.report import check_results_shape
+from kvscorer_tools.bench.report import check_results_shape
 
 
 def _alive(pid: int) -> bool:
