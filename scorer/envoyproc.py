@@ -514,9 +514,7 @@ def render_gateway_config(
             o = {"grpc_service": {**grpc, "timeout": "10s"}}
         else:
             o = {"grpc_service": grpc}
-        return {
-            "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "overrides": o}
-        }
+        return {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "overrides": o}}
 
     def pool_cluster(name: str, endpoints: Sequence[str]) -> dict[str, Any]:
         if gateway == "istio":
