@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -348,21 +349,24 @@ def picker_cluster(name: str, host: str, port: int, tls: bool) -> dict[str, Any]
     return c
 
 
-def _gateway_listener(
-    host: str,
-    port: int,
-    filters: list[dict[str, Any]],
-    route: dict[str, Any],
-    per_route: dict[str, Any] | None,
-) -> dict[str, Any]:
-    lst = _listener("main", host, port, "pool", filters)
-    r = lst["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
-        "routes"
-    ][0]
-    r["route"] = route
-    if per_route:
-        r["typed_per_filter_config"] = per_route
-    return lst
+@dataclass(frozen=True)
+class GatewayPool:
+    """One InferencePool behind the gateway: its endpoints and its picker.
+
+    `path_prefix`: the pool has its own route (an HTTPRoute rule per pool); None: the pool
+    is a weighted backend of the catch-all route (`weight`, like backendRef weights)."""
+
+    name: str
+    endpoints: Sequence[str]
+    extproc_port: int
+    extproc_host: str = "127.0.0.1"
+    weight: int = 1
+    path_prefix: str | None = None
+
+
+def _names(pool: GatewayPool, single: bool) -> tuple[str, str]:
+    # One pool keeps the short names the committed files and stats use.
+    return ("pool", "endpoint_picker") if single else (f"pool_{pool.name}", f"picker_{pool.name}")
 
 
 _SOURCES: dict[Gateway, str] = {
@@ -388,7 +392,7 @@ _SOURCES: dict[Gateway, str] = {
 
 def render_gateway_config(
     gateway: Gateway,
-    pool_endpoints: Sequence[str],
+    pool_endpoints: Sequence[str] = (),
     *,
     listener_port: int = 8080,
     extproc_port: int = 9002,
@@ -400,6 +404,8 @@ def render_gateway_config(
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
     response_body_mode: str = "FULL_DUPLEX_STREAMED",
     extra_http_filters: Sequence[dict[str, Any]] = (),
+    pools: Sequence[GatewayPool] | None = None,
+    weighted_random_header: str | None = None,
 ) -> str:
     """Envoy bootstrap (YAML, with a header naming its sources) shaped like `gateway`.
 
@@ -414,31 +420,97 @@ def render_gateway_config(
       `envoy.lb`, forwarding `envoy.lb.subset_hint`, TLS to the picker; the pool is
       ORIGINAL_DST on the destination header.
 
-    `pool_endpoints` stand in for the pool's EDS (istio; the others route to any address).
-    `failure_mode_allow` is the InferencePool's `failureMode: FailOpen` (Istio, kgateway;
-    Envoy AI Gateway always fails closed). Body modes may be changed for experiments;
-    the gateways themselves send FULL_DUPLEX_STREAMED.
+    One pool: `pool_endpoints` (they stand in for the pool's EDS; only istio routes by
+    them) and the picker at `extproc_host:extproc_port`. Several pools: `pools`, each
+    with its own picker and either its own route (`path_prefix`) or a weight in the
+    catch-all route; each route (or weighted cluster) points ext_proc at its pool's picker
+    with a per-route override, as Istio and kgateway do. `failure_mode_allow` is the
+    InferencePool's `failureMode: FailOpen` (Istio, kgateway; Envoy AI Gateway always
+    fails closed). `weighted_random_header`: tests only — the weighted split reads its
+    random value from this request header (Envoy's `weighted_clusters.header_name`), so a
+    split can be checked exactly. Body modes may be changed for experiments; the gateways themselves
+    send FULL_DUPLEX_STREAMED.
     """
     if gateway not in GATEWAYS:
         raise ValueError(f"gateway must be one of {GATEWAYS}, not {gateway!r}")
     if gateway == "envoy-ai-gateway" and failure_mode_allow:
         raise ValueError("Envoy AI Gateway always fails closed (failure_mode_allow: false)")
+    if pools is None:
+        pools = [GatewayPool("", pool_endpoints, extproc_port, extproc_host)]
+    if not pools:
+        raise ValueError("at least one pool")
+    single = len(pools) == 1
     tls = picker_tls if picker_tls is not None else gateway != "istio"
     mode = _processing_mode(request_body_mode, response_body_mode)
-    picker = picker_cluster("endpoint_picker", extproc_host, extproc_port, tls)
-    route: dict[str, Any] = {"cluster": "pool", "timeout": "0s"}
-    per_route: dict[str, Any] | None = None
-    filters: list[dict[str, Any]] = list(extra_http_filters)
+    clusters: list[dict[str, Any]] = []
+    first_picker = _names(pools[0], single)[1]
+
+    def override(picker: str) -> dict[str, Any]:
+        """The per-route ext_proc config pointing at `picker` (None: the filter's own)."""
+        grpc: dict[str, Any] = {"envoy_grpc": {"cluster_name": picker}}
+        if gateway == "istio":
+            o: dict[str, Any] = {
+                "failure_mode_allow": failure_mode_allow,
+                "grpc_service": grpc,
+                "processing_mode": mode,
+            }
+        elif gateway == "kgateway":
+            o = {"grpc_service": {**grpc, "timeout": "10s"}}
+        else:
+            o = {"grpc_service": grpc}
+        return {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "overrides": o}}
+
+    def pool_cluster(name: str, endpoints: Sequence[str]) -> dict[str, Any]:
+        if gateway == "istio":
+            return override_host_cluster(name, endpoints)
+        c = original_dst_cluster(name, "header")
+        if gateway == "kgateway":
+            c["connect_timeout"] = "1000s"
+        return c
+
+    routes: list[dict[str, Any]] = []
+    weighted: list[dict[str, Any]] = []
+    for pool in pools:
+        cname, pname = _names(pool, single)
+        clusters.append(pool_cluster(cname, pool.endpoints))
+        clusters.append(picker_cluster(pname, pool.extproc_host, pool.extproc_port, tls))
+        # Envoy AI Gateway's single-pool filter names the picker itself (no override).
+        per = None if (gateway == "envoy-ai-gateway" and single) else override(pname)
+        if pool.path_prefix is not None:
+            r: dict[str, Any] = {"cluster": cname, "timeout": "0s"}
+            if gateway == "istio":
+                r["retry_policy"] = _ISTIO_RETRY
+            route = {"match": {"prefix": pool.path_prefix}, "route": r}
+            if per:
+                route["typed_per_filter_config"] = per
+            routes.append(route)
+        else:
+            wc: dict[str, Any] = {"name": cname, "weight": pool.weight}
+            if per:
+                wc["typed_per_filter_config"] = per
+            weighted.append(wc)
+    if weighted:
+        r = {"timeout": "0s"}
+        if gateway == "istio":
+            r["retry_policy"] = _ISTIO_RETRY
+        route = {"match": {"prefix": "/"}, "route": r}
+        if len(weighted) == 1:
+            r["cluster"] = weighted[0]["name"]
+            if "typed_per_filter_config" in weighted[0]:
+                route["typed_per_filter_config"] = weighted[0]["typed_per_filter_config"]
+        else:
+            r["weighted_clusters"] = {"clusters": weighted}
+            if weighted_random_header:
+                r["weighted_clusters"]["header_name"] = weighted_random_header
+        routes.append(route)
+
     ext: dict[str, Any] = {"@type": _EXT_PROC}
     if gateway == "istio":
         # The HCM-level filter is a placeholder (headers SKIP, fail open); each route to
         # an InferencePool overrides the service, failure mode and processing mode.
         ext.update(
             {
-                "grpc_service": {
-                    "envoy_grpc": {"cluster_name": "endpoint_picker"},
-                    "timeout": "10s",
-                },
+                "grpc_service": {"envoy_grpc": {"cluster_name": first_picker}, "timeout": "10s"},
                 "failure_mode_allow": True,
                 "processing_mode": {
                     "request_header_mode": "SKIP",
@@ -451,33 +523,20 @@ def render_gateway_config(
                 },
             }
         )
-        per_route = {
-            "envoy.filters.http.ext_proc": {
-                "@type": _EXT_PROC_PER_ROUTE,
-                "overrides": {
-                    "failure_mode_allow": failure_mode_allow,
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
-                    "processing_mode": mode,
-                },
-            }
-        }
-        route["retry_policy"] = _ISTIO_RETRY
-        pool = override_host_cluster("pool", pool_endpoints)
     elif gateway == "envoy-ai-gateway":
         ext.update(
             {
-                "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": first_picker}},
                 "processing_mode": mode,
                 "allow_mode_override": False,
                 "message_timeout": "300s",
                 "failure_mode_allow": False,
             }
         )
-        pool = original_dst_cluster("pool", "header")
     else:
         ext.update(
             {
-                "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": first_picker}},
                 "processing_mode": mode,
                 "message_timeout": "5s",
                 "failure_mode_allow": failure_mode_allow,
@@ -487,26 +546,16 @@ def render_gateway_config(
                 },
             }
         )
-        per_route = {
-            "envoy.filters.http.ext_proc": {
-                "@type": _EXT_PROC_PER_ROUTE,
-                "overrides": {
-                    "grpc_service": {
-                        "envoy_grpc": {"cluster_name": "endpoint_picker"},
-                        "timeout": "10s",
-                    }
-                },
-            }
-        }
-        pool = original_dst_cluster("pool", "header")
-        pool["connect_timeout"] = "1000s"
-    filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": ext})
+    filters: list[dict[str, Any]] = [
+        *extra_http_filters,
+        {"name": "envoy.filters.http.ext_proc", "typed_config": ext},
+    ]
+    listener = _listener("main", host, listener_port, "pool", filters)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = routes
     doc = {
         "admin": {"address": _addr(host, admin_port)},
-        "static_resources": {
-            "listeners": [_gateway_listener(host, listener_port, filters, route, per_route)],
-            "clusters": [pool, picker],
-        },
+        "static_resources": {"listeners": [listener], "clusters": clusters},
     }
     header = [
         f"Envoy configured the way {gateway} configures its endpoint-picker filter,",
