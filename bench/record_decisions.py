@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scorer.bench.replay import ReplaySettings, RequestKeys, record_decisions
-from scorer.bench.workloads import Workload, load_workload
+from kvscorer_tools.bench.replay import ReplaySettings, RequestKeys, record_decisions
+from kvscorer_tools.bench.workloads import Workload, load_workload
 
 POLICIES = ("kv", "approx", "session", "least_loaded", "round_robin")
 OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "decisions"
