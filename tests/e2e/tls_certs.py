@@ -51,7 +51,7 @@ class Ca:
     def __init__(self, cn: str = "kv-scorer test CA") -> None:
         self.key = _key()
         self.name = _name(cn)
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         self.cert = (
             x509.CertificateBuilder()
             .subject_name(self.name)
@@ -85,7 +85,7 @@ class Ca:
     def issue(self, cn: str, *, client: bool = False) -> Pem:
         """A leaf certificate for localhost / 127.0.0.1 (server) or a client."""
         key = _key()
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
         cert = (
             x509.CertificateBuilder()
