@@ -206,16 +206,17 @@ class App:
         self.admin_port = await self.admin.start()
         await self.set_ready(True)
         log.warning(
-            "kv-scorer serving ext_proc=%s:%d (%s) health=%s:%d admin=%s:%d policy=%s workers=%d",
+            "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d "
+            "ext_proc_tls=%s",
             s.host,
             self.extproc_port,
-            "h2c" if self.tls is None else "TLS, self-signed" if self.tls.self_signed else "TLS",
             s.host,
             self.health_port,
             s.host,
             self.admin_port,
             self.policy.name,
             len(self.pool),
+            "off" if self.tls is None else "self-signed" if self.tls.self_signed else "on",
         )
 
     async def set_ready(self, ready: bool) -> None:
