@@ -70,6 +70,12 @@ class ServerConfig(Strict):
     # Score and health Check there; health Watch only on the health port with "asyncio".
     extproc_transport: Literal["asyncio", "grpcio"] = "asyncio"
     tls: TlsConfig = Field(default_factory=TlsConfig)
+    # Readiness (gRPC health "", "readiness", "inference-extension", the ext_proc name;
+    # /readyz) waits at start-up until the pool has a worker and every KV-event stream
+    # has connected, or this many seconds have passed since the servers bound (then it
+    # reports ready with the streams still connecting). Keep it below the liveness
+    # probe's budget: the reference charts probe "inference-extension" for liveness too.
+    readiness_events_timeout_s: float = Field(10.0, ge=0)
 
 
 class ExtProcConfig(Strict):
@@ -122,6 +128,8 @@ class WorkerConfig(Strict):
 class PoolConfig(Strict):
     """The static worker pool."""
 
+    # The InferencePool's name: label `name` of the inference_pool_* metrics.
+    name: str = Field("default", min_length=1)
     workers: list[WorkerConfig] = Field(default_factory=list)
     # Models served by the pool. Empty: accept any model name and let the workers answer.
     models: list[str] = Field(default_factory=list)

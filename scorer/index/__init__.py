@@ -501,14 +501,18 @@ class BlockIndex:
             nd = n_disk.get(b, 0)
             ep = by_bit[b].endpoint
             cur = out.get(ep)
-            if cur is None or cnt > cur.blocks:
+            ng = cnt - nc - nd
+            weighted = ng * wg + nc * wc + nd * wd
+            # dp ranks of one endpoint keep separate caches and a request is served by one
+            # of them, so the endpoint is worth its best rank: most blocks, then the best
+            # media (a GPU copy on one rank beats a CPU copy on another). Never a sum.
+            if cur is None or (cnt, weighted) > (cur.blocks, cur.weighted):
                 m = shared.get((cnt, nc, nd))
                 if m is None:
-                    ng = cnt - nc - nd
                     m = shared[cnt, nc, nd] = Match(
                         cnt,
                         {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
-                        ng * wg + nc * wc + nd * wd,
+                        weighted,
                     )
                 out[ep] = m
         return out
