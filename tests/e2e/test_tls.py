@@ -32,10 +32,11 @@ from e2e_helpers import Backend, scorer_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import Ca, Pem
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
 from scorer.app import App, flag_overrides, register
 from scorer.config import ConfigError
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from scorer.envoyproc import render_envoy_config
 from scorer.extproc.tls import TLS_HANDSHAKE_FAILURES, self_signed, server_context
 from scorer.extproc.transport import H2GrpcServer
 
