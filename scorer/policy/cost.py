@@ -107,19 +107,27 @@ class LoadTable:
     """Every candidate's load in blocks, as the cost function sees it (one row each).
 
     `waiting` / `kv_usage` are the scraped values when the scrape is fresh, else 0.
+    `busy` is why each candidate is over a busy threshold (None: not busy), when the
+    table was built with thresholds (the busy filter's), else None.
     """
 
     prefill: list[float]
     decode: list[float]
     waiting: list[float]
     kv_usage: list[float]
-    fresh: list[bool]
+    busy: list[str | None] | None = None
 
 
 def load_table(
-    candidates: Sequence[Worker], now: float, stale_after_s: float, waiting_request_blocks: float
+    candidates: Sequence[Worker],
+    now: float,
+    stale_after_s: float,
+    waiting_request_blocks: float,
+    busy: BusyOptions | None = None,
 ) -> LoadTable:
-    """Combine the router's in-flight accounting with a fresh scrape (see module doc).
+    """Combine the router's in-flight accounting with a fresh scrape (module doc) and, with
+    `busy`, apply the busy rule in the same pass: fresh scraped waiting >= busy_waiting,
+    else fresh scraped KV usage >= busy_kv_usage, else router in-flight >= busy_inflight.
 
     The hot loop of every decision: flat lists and bound methods on purpose.
     """
@@ -127,21 +135,21 @@ def load_table(
     dcs: list[float] = []
     wqs: list[float] = []
     kus: list[float] = []
-    fresh: list[bool] = []
-    add_pf, add_dc, add_wq, add_ku, add_fr = (
-        pfs.append,
-        dcs.append,
-        wqs.append,
-        kus.append,
-        fresh.append,
-    )
+    busys: list[str | None] = []
+    add_pf, add_dc, add_wq, add_ku = pfs.append, dcs.append, wqs.append, kus.append
+    add_busy = busys.append
     fresh_since = now - stale_after_s
     wrb = waiting_request_blocks
+    check = busy is not None
+    busy_w = busy.busy_waiting if busy is not None else None
+    busy_k = busy.busy_kv_usage if busy is not None else None
+    busy_i = busy.busy_inflight if busy is not None else None
     for w in candidates:
         fl = w.inflight
         sc = w.scraped
         pf = fl.prefill_blocks
         dc = fl.decode_blocks
+        b: str | None = None
         at = sc.at
         if at > 0.0 and at >= fresh_since:
             wq = sc.waiting
@@ -153,51 +161,25 @@ def load_table(
                 x = ku * sc.num_gpu_blocks
                 if x > dc:
                     dc = x
-            add_fr(True)
+            if busy_w is not None and wq >= busy_w:
+                b = "busy_waiting"
+            elif busy_k is not None and ku >= busy_k:
+                b = "busy_kv_usage"
         else:
             wq = ku = 0.0
-            add_fr(False)
+        if b is None and busy_i is not None and fl.requests >= busy_i:
+            b = "busy_inflight"
         add_pf(pf)
         add_dc(dc)
         add_wq(wq)
         add_ku(ku)
-    return LoadTable(pfs, dcs, wqs, kus, fresh)
+        add_busy(b)
+    return LoadTable(pfs, dcs, wqs, kus, busys if check else None)
 
 
-def busy_flags(
-    candidates: Sequence[Worker], table: LoadTable, opts: BusyOptions
-) -> list[str | None]:
-    """Why each candidate is busy ("busy_waiting", "busy_kv_usage", "busy_inflight") or
-    None. Scraped thresholds count only on a fresh scrape; in-flight always."""
-    busy_w = opts.busy_waiting
-    busy_k = opts.busy_kv_usage
-    busy_i = opts.busy_inflight
-    out: list[str | None] = []
-    add = out.append
-    wqs, kus, fresh = table.waiting, table.kv_usage, table.fresh
-    for i, w in enumerate(candidates):
-        if fresh[i]:
-            if busy_w is not None and wqs[i] >= busy_w:
-                add("busy_waiting")
-                continue
-            if busy_k is not None and kus[i] >= busy_k:
-                add("busy_kv_usage")
-                continue
-        if busy_i is not None and w.inflight.requests >= busy_i:
-            add("busy_inflight")
-        else:
-            add(None)
-    return out
-
-
-@dataclass(slots=True)
-class CostRow:
-    """The cache side of one candidate's cost: what it matched and the credit it got."""
-
-    match: MatchLike
-    weighted: float  # overlap blocks weighted by medium
-    credit: float  # decay (and stale-stream) multiplier
-    stale: bool
+# The cache side of one candidate's cost: (match, overlap weighted by medium, credit
+# multiplier, stale stream?). A tuple: built once per matched candidate per decision.
+CostRow = tuple[MatchLike, float, float, bool]
 
 
 def dynamo_costs(
@@ -208,12 +190,13 @@ def dynamo_costs(
     request_blocks: float,
     opts: CostModelOptions,
     stale: Callable[[Worker], bool] | None = None,
-) -> tuple[list[float], dict[int, CostRow]]:
+) -> tuple[list[float], dict[int, CostRow], bool]:
     """THE cost function (module doc), for each eligible candidate in order.
 
-    Returns the costs (parallel to `eligible`) and, per candidate with a cached prefix,
-    the numbers its explanation row shows. `stale(w)` says whether w's cache signal is
-    to be trusted less (a silent or gapped event stream).
+    Returns the costs (parallel to `eligible`), per candidate with a cached prefix the
+    numbers its explanation row shows, and whether any credit was cut for staleness.
+    `stale(w)` says whether w's cache signal is to be trusted less (a silent or gapped
+    event stream).
     """
     pfs, dcs = table.prefill, table.decode
     load_min = min([pfs[i] + dcs[i] for i in eligible])
@@ -224,6 +207,7 @@ def dynamo_costs(
     excess_unit = max(load_min, request_blocks, 1.0)
     costs: list[float] = []
     rows: dict[int, CostRow] = {}
+    stale_any = False
     add = costs.append
     for i in eligible:
         dc = dcs[i]
@@ -239,15 +223,16 @@ def dynamo_costs(
             is_stale = stale is not None and stale(candidates[i])
             if is_stale:
                 credit *= stale_credit
+                stale_any = True
             if mcredit is None:
                 weighted = float(m.weighted)
             else:
                 gpu = mcredit.get("GPU", 1.0)
                 weighted = sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
-            rows[i] = CostRow(m, weighted, credit, is_stale)
+            rows[i] = (m, weighted, credit, is_stale)
             p -= credit * weighted
         add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
-    return costs, rows
+    return costs, rows, stale_any
 
 
 def pick(

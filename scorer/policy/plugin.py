@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
-from scorer.policy.cost import CostRow, LoadTable, load_table
+from scorer.policy.cost import BusyOptions, CostRow, LoadTable, load_table
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.routing import Reason, RoutingRequest
 
@@ -58,6 +58,9 @@ class Cycle:
     cost_rows: dict[int, CostRow] = field(default_factory=dict)
     # The index lookup the explanation rows show (the first cache scorer's).
     shown_matches: Mapping[str, MatchLike] = field(default_factory=dict)
+    # Busy thresholds applied while building the load table (the profile's busy filter).
+    busy: BusyOptions | None = None
+    stale_any: bool = False  # a cost row's credit was cut for a stale event stream
     _load: LoadTable | None = None
     _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
 
@@ -67,7 +70,11 @@ class Cycle:
         t = self._load
         if t is None:
             t = self._load = load_table(
-                self.candidates, self.now, self.stale_after_s, self.waiting_request_blocks
+                self.candidates,
+                self.now,
+                self.stale_after_s,
+                self.waiting_request_blocks,
+                self.busy,
             )
         return t
 
@@ -131,6 +138,11 @@ class Scorer(Plugin):
     def score(self, cycle: Cycle) -> list[float]:
         raise NotImplementedError
 
+    def costs(self, cycle: Cycle) -> list[float]:
+        """The same values negated (lower is better). A scorer that computes costs
+        natively overrides this; a profile with this scorer alone at weight 1 calls it."""
+        return [0.0 - s for s in self.score(cycle)]
+
 
 class Picker(Plugin):
     """Chooses among the eligible candidates given their total scores."""
@@ -139,13 +151,14 @@ class Picker(Plugin):
     # The decision's reason when the picker alone decides (round robin, random).
     reason: ClassVar[Reason | None] = None
 
-    def pick(self, cycle: Cycle, scores: list[float]) -> int:
-        """Position in `cycle.eligible` of the winner."""
+    def pick(self, cycle: Cycle, costs: list[float]) -> int:
+        """Position in `cycle.eligible` of the winner. `costs` are the negated total
+        scores (lower is better), parallel to `cycle.eligible`."""
         raise NotImplementedError
 
-    def order(self, cycle: Cycle, scores: list[float]) -> list[int]:
+    def order(self, cycle: Cycle, costs: list[float]) -> list[int]:
         """Positions in `cycle.eligible`, best first (for fallback endpoints)."""
-        return sorted(range(len(scores)), key=lambda k: (-scores[k], k))
+        return sorted(range(len(costs)), key=lambda k: (costs[k], k))
 
 
 P = TypeVar("P", bound=type[Plugin])

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
+from scorer.policy.cost import BusyOptions
 from scorer.policy.plugin import Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
 from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
@@ -140,6 +141,10 @@ class Profile(Policy):
         # The single-scorer, weight-1 case skips the weighted sum (the shipped profiles).
         self._plain = len(self.scorers) == 1 and self.weights[0] == 1.0
         self._shedders = [f for f in self.filters if f.sheds()]
+        # The first busy filter's thresholds are applied while the load table is built.
+        self._busy = next(
+            (f.options for f in self.filters if isinstance(f.options, BusyOptions)), None
+        )
 
     def plugin(self, name: str) -> Plugin | None:
         """This profile's plugin named `name` (first match), for tests and tools."""
@@ -168,6 +173,7 @@ class Profile(Policy):
             config.load.stale_after_s,
             wrb,
             [None] * n,
+            busy=self._busy,
         )
         for p in self.scorers:
             p.prepare(cycle)
@@ -193,24 +199,23 @@ class Profile(Policy):
 
         scorers = self.scorers
         if self._plain:
-            total = scorers[0].score(cycle)
-        elif not scorers:
-            total = [0.0] * len(eligible)
+            costs = scorers[0].costs(cycle)
         else:
             total = [0.0] * len(eligible)
             for s, w in zip(scorers, self.weights, strict=True):
                 if w:
                     for k, v in enumerate(s.score(cycle)):
                         total[k] += w * v
-        j = self.picker.pick(cycle, total)
+            costs = [0.0 - t for t in total]
+        j = self.picker.pick(cycle, costs)
         t_score = time.perf_counter()
 
-        cost_of = dict(zip(eligible, [0.0 - t for t in total], strict=True)) if scorers else {}
+        cost_of = dict(zip(eligible, costs, strict=True)) if scorers else {}
         rows = self._rows(cycle, cost_of)
         win = rows[eligible[j]]
         endpoints = [win.endpoint]
         if self.fallback_count:
-            rest = [k for k in self.picker.order(cycle, total) if k != j]
+            rest = [k for k in self.picker.order(cycle, costs) if k != j]
             endpoints += [rows[eligible[k]].endpoint for k in rest[: self.fallback_count]]
         reason, notes = self._reason(cycle, rows, win)
         if not request.dry_run:
@@ -238,7 +243,7 @@ class Profile(Policy):
         if self.picker.reason is not None:
             return self.picker.reason, notes
         fallback = no_token_reason(cycle.request) if self.needs_tokens else None
-        stale_any = any(r.stale for r in cycle.cost_rows.values())
+        stale_any = cycle.stale_any
         stale = str(Reason.STALE_EVENTS)
         if cycle.all_filtered:
             reason = Reason.BUSY_ALL
@@ -307,15 +312,15 @@ class Profile(Policy):
                     )
                 )
             else:
-                m = got.match
+                m, weighted, credit, stale = got
                 add(
                     CandidateScore(
                         w.endpoint,
                         m.blocks,
                         m.blocks * bs,
                         m.by_medium,
-                        got.weighted,
-                        got.credit,
+                        weighted,
+                        credit,
                         w.inflight.requests,
                         pfs[i],
                         dcs[i],
@@ -323,7 +328,7 @@ class Profile(Policy):
                         kus[i],
                         cost_of.get(i),
                         filtered[i],
-                        "stale_events" if got.stale else None,
+                        "stale_events" if stale else None,
                     )
                 )
         return rows

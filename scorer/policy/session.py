@@ -23,7 +23,7 @@ import xxhash
 from pydantic import Field, field_validator
 
 from scorer.policy.base import Policy, PolicyContext, build_policy
-from scorer.policy.cost import BusyOptions, busy_flags, load_table
+from scorer.policy.cost import BusyOptions, load_table
 from scorer.pool.workers import Worker
 from scorer.routing import Decision, Reason, RoutingRequest
 
@@ -111,8 +111,9 @@ class SessionPolicy(Policy):
         self.bindings.move_to_end(sid)
 
     def _busy(self, w: Worker, now: float) -> str | None:
-        table = load_table([w], now, self.ctx.config.load.stale_after_s, 1.0)
-        return busy_flags([w], table, self.options)[0]
+        table = load_table([w], now, self.ctx.config.load.stale_after_s, 1.0, self.options)
+        assert table.busy is not None
+        return table.busy[0]
 
     def _over(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         d = self.inner.decide(request, candidates)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scorer.policy.cost import BusyOptions, busy_flags
+from scorer.policy.cost import BusyOptions, load_table
 from scorer.policy.plugin import Cycle, Filter, plugin
 
 
@@ -20,7 +20,23 @@ class BusyFilter(Filter):
         return self.options.shed_when_busy
 
     def filter(self, cycle: Cycle) -> None:
+        # The load table applies the busy rule in its one pass when the profile handed it
+        # these thresholds (cycle.busy); a second busy filter computes its own.
+        if cycle.busy is self.options:
+            flags = cycle.load.busy
+        else:
+            flags = load_table(
+                cycle.candidates,
+                cycle.now,
+                cycle.stale_after_s,
+                cycle.waiting_request_blocks,
+                self.options,
+            ).busy
+        assert flags is not None
         f = cycle.filtered
-        for i, b in enumerate(busy_flags(cycle.candidates, cycle.load, self.options)):
+        if not any(f):
+            cycle.filtered = list(flags)
+            return
+        for i, b in enumerate(flags):
             if b is not None and f[i] is None:
                 f[i] = b

@@ -27,8 +27,7 @@ class MaxScore(Picker):
     Options = MaxScoreOptions
     options: MaxScoreOptions
 
-    def pick(self, cycle: Cycle, scores: list[float]) -> int:
-        costs = [-s for s in scores]
+    def pick(self, cycle: Cycle, costs: list[float]) -> int:
         elig = cycle.eligible
         cands = cycle.candidates
         tb = self.options.tiebreak

@@ -13,8 +13,8 @@ class RandomPicker(Picker):
 
     reason = Reason.RANDOM
 
-    def pick(self, cycle: Cycle, scores: list[float]) -> int:
+    def pick(self, cycle: Cycle, costs: list[float]) -> int:
         return self.ctx.rng.choice(range(len(cycle.eligible)))
 
-    def order(self, cycle: Cycle, scores: list[float]) -> list[int]:
-        return by_load(cycle, scores)
+    def order(self, cycle: Cycle, costs: list[float]) -> list[int]:
+        return by_load(cycle, costs)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from scorer.policy.base import PolicyContext
 
 
-def by_load(cycle: Cycle, scores: list[float]) -> list[int]:
+def by_load(cycle: Cycle, costs: list[float]) -> list[int]:
     """Positions in `cycle.eligible`, fewest in-flight requests then prompt tokens first."""
     cands, elig = cycle.candidates, cycle.eligible
 
@@ -35,11 +35,11 @@ class RoundRobinPicker(Picker):
         super().__init__(ctx, options, clock)
         self._next = 0
 
-    def pick(self, cycle: Cycle, scores: list[float]) -> int:
+    def pick(self, cycle: Cycle, costs: list[float]) -> int:
         return self._next % len(cycle.eligible)
 
-    def order(self, cycle: Cycle, scores: list[float]) -> list[int]:
-        return by_load(cycle, scores)
+    def order(self, cycle: Cycle, costs: list[float]) -> list[int]:
+        return by_load(cycle, costs)
 
     def commit(self, cycle: Cycle, winner: int) -> None:
         self._next += 1

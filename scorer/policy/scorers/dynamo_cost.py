@@ -68,6 +68,10 @@ class DynamoCost(Scorer):
         cycle.shown_matches = cycle.matches(self.index())
 
     def score(self, cycle: Cycle) -> list[float]:
+        return [-c for c in self.costs(cycle)]
+
+    def costs(self, cycle: Cycle) -> list[float]:
+        """The cost of every eligible candidate (scorer.policy.cost.dynamo_costs)."""
         stale: Callable[[Worker], bool] | None = None
         if self.approx is None and self.ctx.parts.events is not None:
             now = cycle.now
@@ -75,7 +79,7 @@ class DynamoCost(Scorer):
             def stale(w: Worker) -> bool:
                 return self.stream_stale(w, now)
 
-        costs, rows = dynamo_costs(
+        costs, rows, stale_any = dynamo_costs(
             cycle.candidates,
             cycle.eligible,
             cycle.load,
@@ -85,7 +89,8 @@ class DynamoCost(Scorer):
             stale,
         )
         cycle.cost_rows = rows
-        return [-c for c in costs]
+        cycle.stale_any = stale_any
+        return costs
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
