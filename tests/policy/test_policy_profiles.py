@@ -154,3 +154,26 @@ def test_shipped_name_cannot_be_redefined() -> None:
         )
         make_policy(load_cfg, Pool.from_config(load_cfg), Parts())
     assert "profiles.kv" in str(e.value)
+
+
+def test_docs_worked_example_scorer_is_one_file_and_one_registry_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scorer shown in docs/policy.md works as written once listed in PLUGINS."""
+    import re
+    import types
+    from pathlib import Path
+
+    from scorer.policy import registry
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text()
+    code = re.search(r"```python\n# scorer/policy/scorers/running.py\n(.*?)```", doc, re.S)
+    assert code is not None
+    mod = types.ModuleType("running_example")
+    exec(compile(code.group(1), "running.py", "exec"), mod.__dict__)
+    monkeypatch.setattr(registry, "PLUGINS", (*registry.PLUGINS, mod.Running))
+    _cfg, pool, pol = build({"scorers": [{"type": "running", "cap": 10}]})
+    pool.workers[EPS[0]].scraped.running = 9
+    pool.workers[EPS[1]].scraped.running = 2
+    pool.workers[EPS[2]].scraped.running = 5
+    assert pol.decide(request(None), list(pool)).endpoint == EPS[1]
