@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.api.inference_metrics import RequestRecord, observe_request
 from scorer.config import Config
+from scorer.extproc import conformance
 from scorer.extproc import protocol as P
 from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
 from scorer.policy.simple import least_loaded, load_score
@@ -87,6 +88,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.block_size = config.pool.block_size
         self.lora_names = frozenset(config.tokens.lora_base)
         self.draining = False
+        # Conformance test devices (scorer/extproc/conformance.py), off by default.
+        self.test_selection = config.extproc.test_endpoint_selection
+        self.echo_served = config.extproc.echo_served_endpoint
         # Handler tasks waiting in the response phase; release_streams() ends them cleanly.
         self._following: set[asyncio.Task[Any]] = set()
         self._releasing = False
@@ -162,7 +166,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             request_id=headers.get("x-request-id") or f"r{next(self._ids)}",
             path=headers.get(":path", "/"),
             method=headers.get(":method", "POST"),
-            subset=P.subset_hint(msg),
+            subset=self._subset(msg, headers),
             session_id=headers.get(self.session_header),
             sheddable=P.truthy(headers.get(self.sheddable_header)),
         )
@@ -232,6 +236,17 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if trailers:
             await context.write(P.continue_trailers())
         return self._routed(req, d)
+
+    def _subset(
+        self, msg: ep.ProcessingRequest, headers: dict[str, str]
+    ) -> frozenset[str] | None:
+        """The gateway's subset hint, narrowed by the conformance selection header when
+        `extproc.test_endpoint_selection` is on."""
+        hint = P.subset_hint(msg)
+        if not self.test_selection:
+            return hint
+        pairs = ((w.endpoint, w.ip) for w in self.pool)
+        return conformance.restrict(hint, conformance.selection(headers), pairs)
 
     def _routing_answer(self, d: Decision, full_duplex: bool) -> ep.ProcessingResponse:
         """The answer carrying the destination: headers answer (FULL_DUPLEX) or body answer
@@ -403,7 +418,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     SERVED_MOVED.inc()
                     self.inflight.moved(rid, served)
                 self.inflight.first_byte(rid)
-                await context.write(self._continue_response_headers)
+                if self.echo_served:
+                    await context.write(conformance.served_response(m))
+                else:
+                    await context.write(self._continue_response_headers)
                 if m.response_headers.end_of_stream:
                     return
             else:
