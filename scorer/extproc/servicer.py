@@ -237,9 +237,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(P.continue_trailers())
         return self._routed(req, d)
 
-    def _subset(
-        self, msg: ep.ProcessingRequest, headers: dict[str, str]
-    ) -> frozenset[str] | None:
+    def _subset(self, msg: ep.ProcessingRequest, headers: dict[str, str]) -> frozenset[str] | None:
         """The gateway's subset hint, narrowed by the conformance selection header when
         `extproc.test_endpoint_selection` is on."""
         hint = P.subset_hint(msg)

@@ -19,8 +19,9 @@ import aiohttp
 import pytest
 from e2e_helpers import Backend, scorer_config, start_backend
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
-from scorer.envoyproc import GATEWAYS, EnvoyProcess, GatewayPool, render_gateway_config
+from scorer.envoyproc import GATEWAYS, GatewayPool, render_gateway_config
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 BODY = json.dumps({"model": "m", "prompt": "Write as if you were a critic: San Francisco"})
