@@ -55,7 +55,8 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
     through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape".
+    (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape", "health"
+    (scorer.pool.health.HealthMonitor).
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -65,6 +66,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     from scorer.blocks import BlockHasher
     from scorer.events.ingest import EventIngest
     from scorer.index import BlockIndex
+    from scorer.pool.health import HealthMonitor
     from scorer.pool.scrape import LoadScraper
     from scorer.tokens.service import NoTokenizer, Tokenization
 
@@ -81,7 +83,9 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
 
     events = EventIngest(config, pool, index, hasher, tokenize=debug_tokenize)
     scraper = LoadScraper(config, pool)
-    components: list[Any] = [tokens, scraper]
+    # First in the list: it starts before (and stops after) every part that reports evidence.
+    health = HealthMonitor(config, pool, index)
+    components: list[Any] = [health, tokens, scraper]
     if config.events.enabled:
         components.append(events)
     services: dict[str, Any] = {
@@ -90,6 +94,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
         "events": events,
         "tokens": tokens,
         "scrape": scraper,
+        "health": health,
     }
     return components, services
 

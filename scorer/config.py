@@ -88,6 +88,21 @@ class WorkerConfig(Strict):
         return {"endpoint": v} if isinstance(v, str) else v
 
 
+class HealthConfig(Strict):
+    """Worker health from evidence (scorer.pool.health): ejection and readmission."""
+
+    # Off: workers are never ejected (every worker is always eligible).
+    enabled: bool = True
+    # Confirmation probe: a TCP connect to the worker's endpoint ("tcp"), or an HTTP GET of
+    # `probe_path` on it that must answer 2xx ("http"). Never on the request path.
+    probe: Literal["tcp", "http"] = "tcp"
+    probe_path: str = "/health"
+    probe_timeout_s: float = Field(1.0, gt=0)
+    # Backoff of the probes of an ejected worker: first interval, doubled up to the max.
+    probe_interval_s: float = Field(0.5, gt=0)
+    probe_max_interval_s: float = Field(10.0, gt=0)
+
+
 class PoolConfig(Strict):
     """The static worker pool."""
 
@@ -96,6 +111,7 @@ class PoolConfig(Strict):
     models: list[str] = Field(default_factory=list)
     # Engine block size in tokens; events and vllm:cache_config_info must agree.
     block_size: int = Field(16, ge=1, le=4096)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @field_validator("workers", mode="before")
     @classmethod
