@@ -402,13 +402,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if served is not None and served != self.inflight.endpoint_of(rid):
                     SERVED_MOVED.inc()
                     self.inflight.moved(rid, served)
-                status = _status(m.response_headers)
                 if status in _UPSTREAM_FAILED:
                     # Envoy's local reply when the worker refused or reset the connection:
                     # evidence for scorer.pool.health (confirmed by a probe, off this path).
                     failed_on = self.inflight.endpoint_of(rid)
                     if failed_on is not None:
-                        self.pool.report(failed_on, "request_failed", f"HTTP {status.decode()}")
+                        self.pool.report(failed_on, "request_failed", f"HTTP {status}")
                 self.inflight.first_byte(rid)
                 await context.write(self._continue_response_headers)
                 if m.response_headers.end_of_stream:
@@ -443,16 +442,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
 # Statuses Envoy answers itself when the upstream connection fails (503: refused or reset
 # before headers; 502: protocol error); a worker's own 5xx also counts, the probe decides.
-_UPSTREAM_FAILED = frozenset((b"502", b"503"))
-
-
-def _status(headers: ep.HttpHeaders) -> bytes | None:
-    """The response's `:status` (the first header Envoy sends), without a full header map."""
-    for h in headers.headers.headers:
-        if h.key == ":status":
-            raw: bytes = h.raw_value or h.value.encode()
-            return raw
-    return None
+_UPSTREAM_FAILED = frozenset((502, 503))
 
 
 def add_to_server(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
