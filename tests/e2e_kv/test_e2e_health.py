@@ -125,7 +125,8 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     finally:
         if app is not None:
             await app.stop()
-        for s in started:
+        # `sims` holds a restarted worker in place of the one the test killed.
+        for s in {id(s): s for s in [*started, *sims]}.values():
             await s.stop()
 
 
