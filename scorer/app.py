@@ -29,6 +29,7 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest
 from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
+from scorer.api.auth import BearerToken, GuardedScorer, TokenError
 from scorer.api.health import Health
 from scorer.api.inference_metrics import POOLS
 from scorer.api.readiness import ReadinessGate
@@ -153,12 +154,27 @@ class App:
         self._ready_task: asyncio.Task[None] | None = None
         self.extproc = ExtProcServicer(config, self.router)
         self.scorer = ScorerService(self.router, self.services)
+        # server.auth_token_file guards Score, /metrics and /debug/* (scorer.api.auth).
+        token = None
+        if config.server.auth_token_file:
+            try:
+                token = BearerToken(config.server.auth_token_file)
+            except TokenError as e:
+                raise ConfigError(str(e)) from e
+        self.scorer_rpc: Any = GuardedScorer(self.scorer, token) if token else self.scorer
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):
                 routes.extend(c.routes())
         s = config.server
-        self.admin = AdminServer(s.host, s.admin_port, self.decisions, routes)
+        self.admin = AdminServer(
+            s.host,
+            s.admin_port,
+            self.decisions,
+            routes,
+            token=token,
+            debug_endpoints=s.debug_endpoints,
+        )
         self.extproc_server: grpc.aio.Server | None = None
         self.extproc_h2: H2GrpcServer | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -187,7 +203,7 @@ class App:
             self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
             add_extproc_h2(self.extproc, self.extproc_h2)
             self.extproc_h2.add_handler(
-                "/scorer.v1.Scorer/Score", unary(self.scorer.Score), ScoreRequest.FromString
+                "/scorer.v1.Scorer/Score", unary(self.scorer_rpc.Score), ScoreRequest.FromString
             )
             self.extproc_h2.add_handler(
                 "/grpc.health.v1.Health/Check",
@@ -198,7 +214,7 @@ class App:
         else:
             self.extproc_server = grpc.aio.server(options=opts)
             add_extproc(self.extproc, self.extproc_server)
-            add_scorer(self.scorer, self.extproc_server)
+            add_scorer(self.scorer_rpc, self.extproc_server)
             self.health.add_to_server(self.extproc_server)
             self.extproc_port = self.extproc_server.add_insecure_port(f"{s.host}:{s.extproc_port}")
             await self.extproc_server.start()

@@ -45,6 +45,11 @@ class ServerConfig(Strict):
     # reports ready with the streams still connecting). Keep it below the liveness
     # probe's budget: the reference charts probe "inference-extension" for liveness too.
     readiness_events_timeout_s: float = Field(10.0, ge=0)
+    # A file holding a bearer token: when set, /metrics, /debug/* and scorer.v1 Score need
+    # `Authorization: Bearer <token>` (re-read when the file changes). Off by default.
+    auth_token_file: str | None = None
+    # false: no /debug/* routes on the admin server (404).
+    debug_endpoints: bool = True
 
 
 class ExtProcConfig(Strict):
