@@ -11,7 +11,8 @@ streaming or JSON, `usage` with `prompt_tokens_details.cached_tokens`,
 POST /reset_prefix_cache, /tokenize, /detokenize, /v1/completions/render,
 /v1/chat/completions/render (vllm-router kv_aware); GET /server_info, /get_server_info,
 /model_info, /get_model_info, /get_load, /health_generate and POST /flush_cache
-(what sglang-router probes).
+(what sglang-router probes). Ours: GET /debug/kv_cache (`?hashes=1` lists them): what
+the prefix cache holds, to check an index built from the events against.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class SimWorker:
             ("GET", "/model_info", self._model_info),
             ("GET", "/get_model_info", self._model_info),
             ("GET", "/get_load", self._sglang_load),
+            ("GET", "/debug/kv_cache", self._kv_cache),
         ]
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
@@ -524,6 +526,15 @@ class SimWorker:
         # vLLM answers 200 even when the reset is refused (it logs a warning).
         ok = self.engine.reset_prefix_cache()
         return web.Response(status=200, headers={"X-Reset-Prefix-Cache": str(ok).lower()})
+
+    async def _kv_cache(self, request: web.Request) -> web.Response:
+        # What the engine's prefix cache holds (pinned and evictable): the truth an
+        # index built from this worker's KV events is checked against (bench/chaos.py).
+        cache = self.engine.cache
+        body: dict[str, Any] = {"blocks": len(cache), "block_size": cache.block_size}
+        if request.query.get("hashes") in ("1", "true"):
+            body["block_hashes"] = cache.cached_hashes()
+        return web.json_response(body)
 
     async def _vllm_load(self, request: web.Request) -> web.Response:
         e = self.engine
