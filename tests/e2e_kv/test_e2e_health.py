@@ -21,12 +21,13 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from kvscorer_tools.bench.e2e import write_stub_tokenizer
+from kvscorer_tools.envoyrun import EnvoyProcess
+from kvscorer_tools.sim.worker import SimConfig, SimWorker
 from scorer.app import App
-from scorer.bench.e2e import write_stub_tokenizer
 from scorer.config import load_config
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from scorer.envoyproc import render_envoy_config
 from scorer.pool.health import HealthMonitor
-from scorer.sim.worker import SimConfig, SimWorker
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 

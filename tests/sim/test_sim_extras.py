@@ -10,9 +10,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from scorer.sim.kvevents import KVEventPublisher, all_blocks_cleared
-from scorer.sim.prompts import HFTokenizer, SyntheticTokenizer
-from scorer.sim.worker import SimConfig, running_workers
+from kvscorer_tools.sim.kvevents import KVEventPublisher, all_blocks_cleared
+from kvscorer_tools.sim.prompts import HFTokenizer, SyntheticTokenizer
+from kvscorer_tools.sim.worker import SimConfig, running_workers
 
 QWEN3 = Path(__file__).resolve().parents[1] / "fixtures/tokenizers/qwen3"
 
@@ -100,7 +100,7 @@ async def test_debug_kv_cache_reports_the_prefix_cache() -> None:
     """GET /debug/kv_cache: the engine cache's block count (and hashes on request)."""
     import aiohttp
 
-    from scorer.sim.worker import SimConfig, SimWorker
+    from kvscorer_tools.sim.worker import SimWorker
 
     async with SimWorker(SimConfig(port=0, block_size=16, speed=100.0)) as w:
         async with aiohttp.ClientSession() as s:
