@@ -5,7 +5,8 @@ Evidence is what other parts saw fail on the worker itself, reported through
 `Pool.report(endpoint, kind, detail)`:
 
 - `request_failed`: Envoy answered 502/503 for a request routed to it (its local reply when
-  the upstream connection is refused or reset before headers) — scorer.extproc;
+  the upstream connection is refused or reset before headers) — the director's completion
+  hook (`HealthMonitor.on_completion`);
 - `metrics_refused`: its metrics endpoint refused or reset the TCP connection (a slow or
   timed-out scrape is NOT evidence: a scrape outage of the whole fleet ejects nobody) —
   scorer.pool.scrape;
@@ -28,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 from prometheus_client import Counter, Gauge
@@ -36,12 +37,18 @@ from prometheus_client import Counter, Gauge
 from scorer.config import Config, HealthConfig
 from scorer.pool.workers import Pool, Worker
 
+if TYPE_CHECKING:
+    from scorer.director import Completion
+
 log = logging.getLogger(__name__)
 
 REQUEST_FAILED = "request_failed"
 METRICS_REFUSED = "metrics_refused"
 EVENTS_DROPPED = "events_dropped"
 EVIDENCE_KINDS = (REQUEST_FAILED, METRICS_REFUSED, EVENTS_DROPPED)
+# Statuses Envoy answers itself when the upstream connection fails (503: refused or reset
+# before headers, "upstream connect error"; 502: a protocol error).
+UPSTREAM_FAILED = frozenset((502, 503))
 
 EJECTIONS = Counter(
     "kv_scorer_worker_ejections",
@@ -152,6 +159,13 @@ class HealthMonitor:
             EVIDENCE.labels(kind, "ignored").inc()
             return
         self._spawn(endpoint, self._confirm(w, kind, detail))
+
+    def on_completion(self, done: Completion) -> None:
+        """Director completion hook: a routed request answered 502/503 is evidence against
+        its endpoint (Envoy's own answer when the connection was refused or reset before
+        the response; a worker's own 502/503 is dismissed by the probe)."""
+        if done.routed and done.endpoint is not None and done.status in UPSTREAM_FAILED:
+            self.report(done.endpoint, REQUEST_FAILED, f"HTTP {done.status}")
 
     def _spawn(self, endpoint: str, coro: Any) -> None:
         task = asyncio.create_task(coro, name=f"health {endpoint}")
