@@ -30,6 +30,7 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest
 from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
+from scorer.api.auth import BearerToken, GuardedScorer, TokenError
 from scorer.api.health import Health
 from scorer.api.inference_metrics import POOLS, observe_completion
 from scorer.api.readiness import ReadinessGate
@@ -50,6 +51,7 @@ from scorer.pool.workers import Pool
 
 if TYPE_CHECKING:
     from scorer.events.ingest import EventIngest
+    from scorer.pool.health import HealthMonitor
 
 log = logging.getLogger("scorer.app")
 
@@ -58,14 +60,19 @@ log = logging.getLogger("scorer.app")
 _MAX_MESSAGE = 80 * 1024 * 1024
 
 
-def build_components(config: Config, pool: Pool) -> tuple[list[Any], Parts, EventIngest]:
-    """Construct the optional parts of the service. Returns (components, parts, events).
+def build_components(
+    config: Config, pool: Pool
+) -> tuple[list[Any], Parts, EventIngest, HealthMonitor]:
+    """Construct the optional parts of the service.
+
+    Returns (components, parts, the event ingest, the worker health monitor).
 
     A component is any object with optional `async start()`, `async stop()` and
     `routes() -> [(method, path, aiohttp handler)]`. `parts` are handed to policies
     through `PolicyContext.parts` (typed): hasher (scorer.blocks.BlockHasher), index
     (scorer.index.BlockIndex), events (scorer.events.EventIngest), tokens
-    (scorer.tokens.Tokenization, also the Director's RequestPreparer), scrape.
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), scrape. The
+    health monitor (scorer.pool.health) is the app's, not a policy part.
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -75,6 +82,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], Parts, Even
     from scorer.blocks import BlockHasher
     from scorer.events.ingest import EventIngest
     from scorer.index import BlockIndex
+    from scorer.pool.health import HealthMonitor
     from scorer.pool.scrape import LoadScraper
     from scorer.tokens.service import NoTokenizer, Tokenization
 
@@ -91,11 +99,13 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], Parts, Even
 
     events = EventIngest(config, pool, index, hasher, tokenize=debug_tokenize)
     scraper = LoadScraper(config, pool)
-    components: list[Any] = [tokens, scraper]
+    # First in the list: it starts before (and stops after) every part that reports evidence.
+    health = HealthMonitor(config, pool, index)
+    components: list[Any] = [health, tokens, scraper]
     if config.events.enabled:
         components.append(events)
     parts = Parts(index=index, events=events, tokens=tokens, hasher=hasher, scrape=scraper)
-    return components, parts, events
+    return components, parts, events, health
 
 
 def make_policy(config: Config, pool: Pool, parts: Parts) -> Policy:
@@ -130,7 +140,9 @@ class App:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = Pool.from_config(config)
-        self.components, self.parts, self.events = build_components(config, self.pool)
+        self.components, self.parts, self.events, self.health_monitor = build_components(
+            config, self.pool
+        )
         self.policy = make_policy(config, self.pool, self.parts)
         preparer: RequestPreparer | None = self.parts.tokens
         self.decisions = DecisionLog(config.decisions.log_size)
@@ -148,12 +160,29 @@ class App:
         self.scorer = ScorerService(self.director, self.parts.hasher)
         # The inference extension's request families, once per finished request.
         self.director.completion_hooks.append(observe_completion)
+        # Requests that failed on a worker are health evidence (scorer.pool.health).
+        self.director.completion_hooks.append(self.health_monitor.on_completion)
+        # server.auth_token_file guards Score, /metrics and /debug/* (scorer.api.auth).
+        token = None
+        if config.server.auth_token_file:
+            try:
+                token = BearerToken(config.server.auth_token_file)
+            except TokenError as e:
+                raise ConfigError(str(e)) from e
+        self.scorer_rpc: Any = GuardedScorer(self.scorer, token) if token else self.scorer
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):
                 routes.extend(c.routes())
         s = config.server
-        self.admin = AdminServer(s.host, s.admin_port, self.decisions, routes)
+        self.admin = AdminServer(
+            s.host,
+            s.admin_port,
+            self.decisions,
+            routes,
+            token=token,
+            debug_endpoints=s.debug_endpoints,
+        )
         self.extproc_server: grpc.aio.Server | None = None
         self.extproc_h2: H2GrpcServer | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -184,7 +213,7 @@ class App:
             self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
             add_extproc_h2(self.extproc, self.extproc_h2)
             self.extproc_h2.add_handler(
-                "/scorer.v1.Scorer/Score", unary(self.scorer.Score), ScoreRequest.FromString
+                "/scorer.v1.Scorer/Score", unary(self.scorer_rpc.Score), ScoreRequest.FromString
             )
             self.extproc_h2.add_handler(
                 "/grpc.health.v1.Health/Check",
@@ -202,7 +231,7 @@ class App:
         else:
             self.extproc_server = grpc.aio.server(options=opts)
             add_extproc(self.extproc, self.extproc_server)
-            add_scorer(self.scorer, self.extproc_server)
+            add_scorer(self.scorer_rpc, self.extproc_server)
             self.health.add_to_server(self.extproc_server)
             addr = f"{s.host}:{s.extproc_port}"
             if self.tls is not None:
