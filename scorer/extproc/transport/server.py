@@ -10,12 +10,21 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import Counter
+
 from scorer.extproc.transport.connection import H2Connection
 from scorer.extproc.transport.limits import MAX_MESSAGE, Limits
 from scorer.extproc.transport.stream import AbortStream, H2Stream, Handler
 from scorer.extproc.transport.tls_transport import TlsTransport
 
 log = logging.getLogger("scorer.extproc.transport")
+
+CONNECTIONS_CLOSED = Counter(
+    "kv_scorer_extproc_connections_closed_total",
+    "ext_proc connections (asyncio transport) ended by a bound or an error, by cause: "
+    "refused (connection cap), handshake_timeout, idle, write_stalled, connection_error.",
+    ["cause"],
+)
 
 
 class H2GrpcServer:
@@ -41,6 +50,7 @@ class H2GrpcServer:
     def count(self, cause: str) -> None:
         """Count a connection ended by a bound or an error (see `closed_by`)."""
         self.closed_by[cause] = self.closed_by.get(cause, 0) + 1
+        CONNECTIONS_CLOSED.labels(cause).inc()
 
     # Read by the connections (one attribute lookup on their paths).
     @property
