@@ -1,4 +1,4 @@
-"""Assemble and run the service: Config → Pool → components → Policy → Router → servers.
+"""Assemble and run the service: Config → Pool → components → Policy → Director → servers.
 
 Servers (the inference extension's ports by default):
   9002  gRPC: envoy.service.ext_proc.v3.ExternalProcessor, scorer.v1.Scorer, grpc.health.v1
@@ -31,13 +31,14 @@ from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
 from scorer.api.health import Health
-from scorer.api.inference_metrics import POOLS
+from scorer.api.inference_metrics import POOLS, observe_completion
 from scorer.api.readiness import ReadinessGate
 from scorer.api.score import ScorerService
 from scorer.api.score import add_to_server as add_scorer
 from scorer.api.v1.scorer_pb2 import ScoreRequest
 from scorer.config import Config, ConfigError, load_config
 from scorer.decisions import DecisionLog
+from scorer.director import Director, RequestPreparer
 from scorer.extproc.servicer import ExtProcServicer
 from scorer.extproc.servicer import add_to_h2_server as add_extproc_h2
 from scorer.extproc.servicer import add_to_server as add_extproc
@@ -45,7 +46,6 @@ from scorer.extproc.tls import TLS_HANDSHAKE_FAILURES, TlsMaterial
 from scorer.extproc.transport import H2GrpcServer, unary
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
-from scorer.router import RequestPreparer, Router
 
 log = logging.getLogger("scorer.app")
 
@@ -61,7 +61,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
     through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape".
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape".
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -135,7 +135,8 @@ class App:
         self.policy = make_policy(config, self.pool, self.services)
         preparer: RequestPreparer | None = self.services.get("tokens")
         self.decisions = DecisionLog(config.decisions.log_size)
-        self.router = Router(self.pool, self.policy, self.decisions, preparer)
+        self.director = Director(config, self.pool, self.policy, self.decisions, preparer)
+        self.services["events"].dry_run = self.director.dry_run
         self.health = Health()
         events = self.services.get("events")
         self.readiness = ReadinessGate(
@@ -148,8 +149,10 @@ class App:
             config.server.readiness_events_timeout_s,
         )
         self._ready_task: asyncio.Task[None] | None = None
-        self.extproc = ExtProcServicer(config, self.router)
-        self.scorer = ScorerService(self.router, self.services)
+        self.extproc = ExtProcServicer(config, self.director)
+        self.scorer = ScorerService(self.director, self.services.get("hasher"))
+        # The inference extension's request families, once per finished request.
+        self.director.completion_hooks.append(observe_completion)
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):

@@ -183,6 +183,11 @@ class TokensConfig(Strict):
     # Map LoRA adapter names to their base model (they share its tokenizer).
     lora_base: dict[str, str] = Field(default_factory=dict)
 
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model names (its blocks live in the adapter's
+        namespace), or None for a base model. The one place a model name means LoRA."""
+        return model if model is not None and model in self.lora_base else None
+
 
 class LoadConfig(Strict):
     """Metrics scraping (scorer.pool.scrape)."""
