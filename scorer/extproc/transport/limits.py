@@ -53,8 +53,10 @@ class Limits:
     handshake_timeout: float = 10.0
     # A connection with no open stream and nothing received for this long gets
     # GOAWAY(NO_ERROR) and is closed; one whose peer has not read what we sent for this
-    # long is closed. Envoy reconnects on demand.
-    idle_timeout: float = 300.0
+    # long is closed. Longer than Envoy's own upstream idle_timeout (1 h default,
+    # HttpProtocolOptions.idle_timeout): Envoy closes its idle connections first, so a
+    # request never races our GOAWAY; this only ends connections nobody closes.
+    idle_timeout: float = 3900.0
     # Message bytes a connection holds (partial messages and messages its handlers have
     # not read yet) before flow-control credit is withheld: the peer then stops at its
     # windows. One stream at a time may go past it to complete a message of up to
