@@ -359,3 +359,18 @@ async def test_malformed_protobuf_ends_only_its_stream(server: Any) -> None:
         assert await good.code() == grpc.StatusCode.OK
     assert len(srv.closed_by) == 0
     await normal_call(port)
+
+
+async def test_ping_length_is_checked(server: Any) -> None:
+    """A PING of other than 8 bytes is a FRAME_SIZE_ERROR (RFC 9113 §6.7), not echoed."""
+    _, port = await server()
+    for payload in (b"", b"1234567", b"x" * 60_000):
+        c = await Raw.connect(port)
+        try:
+            c.send(F.frame(F.PING, 0, 0, payload))
+            fs = await c.until_eof()
+            assert goaway_code(fs) == F.FRAME_SIZE_ERROR
+            assert not [f for f in fs if f[0] == F.PING]
+        finally:
+            c.close()
+    await normal_call(port)
