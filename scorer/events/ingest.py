@@ -68,10 +68,19 @@ class EventIngest:
             if w.config.events is None:
                 continue
             sub = Subscriber(
-                w.endpoint, w.config.events, self.applier, self.config.events, self._context
+                w.endpoint,
+                w.config.events,
+                self.applier,
+                self.config.events,
+                self._context,
+                on_disconnect=self._dropped,
             )
             self.subscribers[w.endpoint] = sub
             await sub.start()
+
+    def _dropped(self, endpoint: str) -> None:
+        # Evidence for scorer.pool.health (confirmed by a probe of the serving port).
+        self.pool.report(endpoint, "events_dropped", "KV-event stream disconnected")
 
     async def stop(self) -> None:
         for sub in self.subscribers.values():

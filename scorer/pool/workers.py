@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from scorer.config import Config, WorkerConfig
@@ -31,6 +31,28 @@ class ScrapedLoad:
     attempts: int = 0  # scrapes tried (success or not)
 
 
+@dataclass(slots=True)
+class HealthState:
+    """Why a worker is out of rotation (scorer.pool.health); shown by /debug/pool."""
+
+    reason: str | None = None  # the evidence that ejected it; None while healthy
+    detail: str = ""
+    since: float = 0.0  # monotonic time of the ejection
+    ejections: int = 0
+    probes: int = 0  # probes since the ejection
+    last_probe: str | None = None  # what the newest failed probe saw
+    last_evidence: str | None = None  # newest evidence, confirmed or not
+    dismissed: int = 0  # evidence a probe found the worker alive for
+
+
+# (endpoint, evidence kind, detail): how any part reports a failure seen on a worker.
+EvidenceSink = Callable[[str, str, str], None]
+
+
+def _no_sink(endpoint: str, kind: str, detail: str) -> None:
+    return None
+
+
 @dataclass
 class Worker:
     """One model server. `endpoint` is what Envoy connects to (`ip:port`)."""
@@ -39,6 +61,7 @@ class Worker:
     inflight: WorkerLoad
     healthy: bool = True
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    health: HealthState = field(default_factory=HealthState)
 
     @property
     def endpoint(self) -> str:
@@ -62,6 +85,14 @@ class Pool:
         self.workers: dict[str, Worker] = {}
         for wc in workers:
             self.workers[wc.endpoint] = Worker(wc, self.inflight.load(wc.endpoint))
+        # scorer.pool.health installs itself here; until then evidence is ignored.
+        self.evidence_sink: EvidenceSink = _no_sink
+
+    def report(self, endpoint: str, kind: str, detail: str = "") -> None:
+        """Evidence that `endpoint` failed (a refused connection, a dropped event stream, a
+        failed request). Cheap and synchronous: the health monitor confirms it off the
+        request path. Safe to call for unknown endpoints."""
+        self.evidence_sink(endpoint, kind, detail)
 
     @classmethod
     def from_config(cls, config: Config) -> Pool:
