@@ -82,8 +82,13 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     events = EventIngest(config, pool, index, hasher, tokenize=debug_tokenize)
     scraper = LoadScraper(config, pool)
     components: list[Any] = [tokens, scraper]
+    if config.pool.discovery.enabled:
+        from scorer.pool.discovery import PoolDiscovery
+
+        # Last to start (after the event subscriptions exist), first to stop.
+        components.append(PoolDiscovery(config, pool))
     if config.events.enabled:
-        components.append(events)
+        components.insert(2, events)
     services: dict[str, Any] = {
         "hasher": hasher,
         "index": index,
@@ -146,6 +151,8 @@ class App:
         self.health_port = s.health_port
         self.admin_port = s.admin_port
         self._started: list[Any] = []
+        self._ready_task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def start(self) -> None:
         """Start components, bind the servers, then report ready."""
@@ -185,7 +192,12 @@ class App:
         self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self.health_server.start()
         self.admin_port = await self.admin.start()
-        await self.set_ready(True)
+        # Ready once every component that syncs (discovery) has done its first full sync.
+        waits = [c.wait_synced() for c in self.components if hasattr(c, "wait_synced")]
+        if waits:
+            self._ready_task = asyncio.create_task(self._ready_after(waits))
+        else:
+            await self.set_ready(True)
         log.warning(
             "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d",
             s.host,
@@ -198,6 +210,11 @@ class App:
             len(self.pool),
         )
 
+    async def _ready_after(self, waits: list[Any]) -> None:
+        await asyncio.gather(*waits)
+        if not self._stopping:
+            await self.set_ready(True)
+
     async def set_ready(self, ready: bool) -> None:
         self.admin.ready = ready
         await self.health.set_ready(ready)
@@ -206,6 +223,9 @@ class App:
         """Graceful stop: readiness down, drain delay, refuse new streams, let in-flight ones
         finish within the grace period, stop components, close the remaining servers."""
         s = self.config.server
+        self._stopping = True
+        if self._ready_task is not None:
+            self._ready_task.cancel()
         await self.set_ready(False)
         if s.drain_delay_s > 0:
             await asyncio.sleep(s.drain_delay_s)
@@ -274,6 +294,25 @@ def register(subparsers: Any) -> None:
         metavar="IP:PORT",
         help="a worker endpoint (repeatable; replaces pool.workers)",
     )
+    k = p.add_argument_group(
+        "Kubernetes discovery (pool.discovery; the reference endpoint picker's flags)"
+    )
+    k.add_argument("--pool-name", help="InferencePool to follow (pool.discovery.pool_name)")
+    k.add_argument(
+        "--pool-namespace", help="its namespace (default: env NAMESPACE, then 'default')"
+    )
+    k.add_argument("--pool-group", help="InferencePool API group (inference.networking.k8s.io)")
+    k.add_argument(
+        "--endpoint-selector",
+        metavar="LABELS",
+        help="standalone mode without the CRD: pods matching e.g. app=vllm",
+    )
+    k.add_argument(
+        "--endpoint-target-ports",
+        metavar="PORTS",
+        help="standalone mode: comma-separated ports per pod, e.g. 8000 or 8000,8001",
+    )
+    k.add_argument("--kubeconfig", help="kubeconfig file (default: env KUBECONFIG, in-cluster)")
     p.add_argument("--policy", help="routing policy (round_robin, random, least_loaded, ...)")
     p.add_argument("--host", help="listen address (server.host)")
     p.add_argument("--extproc-port", type=int, help="ext_proc gRPC port (default 9002)")
@@ -300,6 +339,16 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over["server"] = server
     if getattr(args, "worker", None):
         over["pool"] = {"workers": list(args.worker)}
+    discovery: dict[str, Any] = {}
+    for flag in ("pool_name", "pool_namespace", "pool_group", "endpoint_selector", "kubeconfig"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            discovery[flag] = v
+    ports = getattr(args, "endpoint_target_ports", None)
+    if ports is not None:
+        discovery["endpoint_target_ports"] = [p.strip() for p in ports.split(",") if p.strip()]
+    if discovery:
+        over.setdefault("pool", {})["discovery"] = discovery
     if getattr(args, "policy", None):
         over["policy"] = args.policy
     if getattr(args, "log_level", None):

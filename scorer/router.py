@@ -67,8 +67,14 @@ class Router:
             if self.policy.needs_tokens and self.preparer is not None and request.body:
                 await self.preparer.prepare(request)
                 prepared = True
+                # The pool can change while the prompt is tokenized (scorer.pool.discovery):
+                # never decide for a worker that has left it since.
+                candidates = [w for w in candidates if self.pool.workers.get(w.endpoint) is w]
             t_dec = time.perf_counter()
-            d = self.policy.decide(request, candidates)
+            if candidates:
+                d = self.policy.decide(request, candidates)
+            else:
+                d = refuse(self.policy.name, Reason.NO_WORKERS, 503, "every candidate left")
             t_end = time.perf_counter()
             # Stages measured upstream (parse: data path; tokenize/hash: scorer.tokens).
             for stage, seconds in request.stages.items():

@@ -97,6 +97,14 @@ class InflightTracker:
         else:
             wl.decode_blocks -= f.total_blocks
 
+    def forget(self, endpoint: str) -> None:
+        """The worker left the pool: drop its counters and every flight routed to it (their
+        ends, if they come, are then no-ops), so a new worker at the address starts clean."""
+        self.loads.pop(endpoint, None)
+        gone = [rid for rid, f in self._flights.items() if f.endpoint == endpoint]
+        for rid in gone:
+            del self._flights[rid]
+
     def endpoint_of(self, request_id: str) -> str | None:
         """Where an in-flight request was routed, if it is still in flight."""
         f = self._flights.get(request_id)
