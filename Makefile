@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto bench clean
+.PHONY: demo test fuzz lint typecheck proto bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Property tests only, exploring randomly with 10x the examples (tests/conftest.py profiles;
+# `make test` runs them derandomized). Keep any counterexample as an @example in its test.
+fuzz: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m hypothesis --hypothesis-profile=fuzz --hypothesis-show-statistics tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check scorer tests bench

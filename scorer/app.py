@@ -5,7 +5,9 @@ Servers (the inference extension's ports by default):
   9003  gRPC: grpc.health.v1 ("", "liveness", "readiness", the ext_proc service name)
   9090  HTTP: /metrics, /healthz, /readyz, /debug/decisions and component routes
 
-Lifecycle: components start (in order) → servers bind → readiness SERVING. On SIGTERM or
+Lifecycle: components start (in order) → servers bind → readiness SERVING once the
+start-up gate opens (scorer/api/readiness.py: the pool has workers and every KV-event
+stream connected or `server.readiness_events_timeout_s` passed). On SIGTERM or
 SIGINT: readiness NOT_SERVING → `server.drain_delay_s` → new ext_proc streams refused,
 in-flight ones get `server.grace_period_s` to finish → components stop (reverse order) →
 exit 0.
@@ -28,6 +30,8 @@ from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
 from scorer.api.health import Health
+from scorer.api.inference_metrics import POOLS
+from scorer.api.readiness import ReadinessGate
 from scorer.api.score import ScorerService
 from scorer.api.score import add_to_server as add_scorer
 from scorer.api.v1.scorer_pb2 import ScoreRequest
@@ -136,6 +140,20 @@ class App:
         self.decisions = DecisionLog(config.decisions.log_size)
         self.router = Router(self.pool, self.policy, self.decisions, preparer)
         self.health = Health()
+        events = self.services.get("events")
+        # Components with a first sync to finish (Kubernetes discovery) hold readiness.
+        syncing = [c for c in self.components if hasattr(c, "synced")]
+        self.readiness = ReadinessGate(
+            self.pool,
+            lambda: (
+                {ep: sub.status.connected for ep, sub in events.subscribers.items()}
+                if events is not None
+                else {}
+            ),
+            config.server.readiness_events_timeout_s,
+            synced=lambda: all(c.synced.is_set() for c in syncing),
+        )
+        self._ready_task: asyncio.Task[None] | None = None
         self.extproc = ExtProcServicer(config, self.router)
         self.scorer = ScorerService(self.router, self.services)
         routes: list[Route] = []
@@ -151,8 +169,6 @@ class App:
         self.health_port = s.health_port
         self.admin_port = s.admin_port
         self._started: list[Any] = []
-        self._ready_task: asyncio.Task[None] | None = None
-        self._stopping = False
 
     async def start(self) -> None:
         """Start components, bind the servers, then report ready."""
@@ -192,12 +208,10 @@ class App:
         self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self.health_server.start()
         self.admin_port = await self.admin.start()
-        # Ready once every component that syncs (discovery) has done its first full sync.
-        waits = [c.wait_synced() for c in self.components if hasattr(c, "wait_synced")]
-        if waits:
-            self._ready_task = asyncio.create_task(self._ready_after(waits))
-        else:
-            await self.set_ready(True)
+        POOLS.add(self.config.pool.name, self.pool, self.config.load.stale_after_s)
+        self.readiness.start()
+        if not await self._open_gate():
+            self._ready_task = asyncio.create_task(self._wait_ready(), name="readiness")
         log.warning(
             "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d",
             s.host,
@@ -210,22 +224,39 @@ class App:
             len(self.pool),
         )
 
-    async def _ready_after(self, waits: list[Any]) -> None:
-        await asyncio.gather(*waits)
-        if not self._stopping:
+    async def _open_gate(self) -> bool:
+        """Report ready when the start-up gate is open; else say why on /readyz."""
+        state = self.readiness.check()
+        if state.ready:
             await self.set_ready(True)
+        else:
+            self.admin.not_ready_reason = state.reason
+        return state.ready
+
+    async def _wait_ready(self) -> None:
+        # Re-evaluated every 50 ms: the gate reads in-memory state only (pool size, the
+        # subscribers' socket-monitor flags), so polling costs next to nothing.
+        logged = ""
+        while not await self._open_gate():
+            if self.admin.not_ready_reason != logged:
+                logged = self.admin.not_ready_reason
+                log.warning("not ready: %s", logged)
+            await asyncio.sleep(0.05)
 
     async def set_ready(self, ready: bool) -> None:
         self.admin.ready = ready
+        if ready:
+            self.admin.not_ready_reason = ""
         await self.health.set_ready(ready)
 
     async def stop(self) -> None:
         """Graceful stop: readiness down, drain delay, refuse new streams, let in-flight ones
         finish within the grace period, stop components, close the remaining servers."""
         s = self.config.server
-        self._stopping = True
         if self._ready_task is not None:
             self._ready_task.cancel()
+            self._ready_task = None
+        self.admin.not_ready_reason = "shutting down"
         await self.set_ready(False)
         if s.drain_delay_s > 0:
             await asyncio.sleep(s.drain_delay_s)
@@ -251,6 +282,7 @@ class App:
             await self.health_server.stop(0)
             self.health_server = None
         await self.admin.stop()
+        POOLS.remove(self.pool)
 
 
 async def serve(config: Config) -> int:

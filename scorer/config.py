@@ -42,10 +42,16 @@ class ServerConfig(Strict):
     # Set SO_REUSEPORT on the ext_proc port so several `kv-scorer serve` processes share
     # it (each keeps its own in-flight view and index; see docs/envoy.md).
     reuse_port: bool = False
-    # ext_proc port server: "asyncio" (our HTTP/2 gRPC server, scorer/extproc/transport.py:
+    # ext_proc port server: "asyncio" (our HTTP/2 gRPC server, scorer/extproc/transport/:
     # 2-3x less CPU per stream) or "grpcio" (grpc.aio). Both serve ext_proc, scorer.v1
     # Score and health Check there; health Watch only on the health port with "asyncio".
     extproc_transport: Literal["asyncio", "grpcio"] = "asyncio"
+    # Readiness (gRPC health "", "readiness", "inference-extension", the ext_proc name;
+    # /readyz) waits at start-up until the pool has a worker and every KV-event stream
+    # has connected, or this many seconds have passed since the servers bound (then it
+    # reports ready with the streams still connecting). Keep it below the liveness
+    # probe's budget: the reference charts probe "inference-extension" for liveness too.
+    readiness_events_timeout_s: float = Field(10.0, ge=0)
 
 
 class ExtProcConfig(Strict):
@@ -163,6 +169,8 @@ class DiscoveryConfig(Strict):
 class PoolConfig(Strict):
     """The worker pool: a static list, or discovered from Kubernetes (pool.discovery)."""
 
+    # The InferencePool's name: label `name` of the inference_pool_* metrics.
+    name: str = Field("default", min_length=1)
     workers: list[WorkerConfig] = Field(default_factory=list)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     # Models served by the pool. Empty: accept any model name and let the workers answer.

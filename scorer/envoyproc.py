@@ -280,6 +280,322 @@ def render_envoy_config(
     return yaml.safe_dump(doc, sort_keys=False)
 
 
+# ------------------------------------------------------------------ gateway shapes
+#
+# How each Gateway API Inference Extension gateway configures Envoy toward its endpoint
+# picker, read from their sources (each file named below), reproduced with static
+# resources so a real Envoy can run it without Kubernetes. The EDS cluster of a pool's
+# pods becomes a STATIC cluster of `pool_endpoints`; the picker's Service becomes a
+# STATIC cluster of `extproc_host:extproc_port`.
+
+Gateway = Literal["istio", "envoy-ai-gateway", "kgateway"]
+GATEWAYS: tuple[Gateway, ...] = ("istio", "envoy-ai-gateway", "kgateway")
+Destination = Literal["original_dst", "override_host"]
+
+_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+_OVERRIDE_HOST = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+)
+_ROUND_ROBIN = (
+    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+)
+_EXT_PROC_PER_ROUTE = (
+    "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+)
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+
+# Istio's default route retry policy (istio/istio
+# pilot/pkg/networking/core/route/retry/retry.go, `cachedDefaultPolicy`): the fallbacks
+# of an override_host list are tried by retries, so a list needs one.
+_ISTIO_RETRY = {
+    "retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
+    "num_retries": 2,
+    "host_selection_retry_max_attempts": 5,
+    "retry_host_predicate": [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": "type.googleapis.com/"
+                "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            },
+        }
+    ],
+}
+
+
+def _processing_mode(body: str, response_body: str) -> dict[str, str]:
+    # All three gateways: headers SEND, bodies FULL_DUPLEX_STREAMED, trailers SEND, in
+    # both directions (FULL_DUPLEX_STREAMED requires trailer mode SEND).
+    return {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": body,
+        "response_body_mode": response_body,
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
+    }
+
+
+def override_host_cluster(name: str, endpoints: Sequence[str]) -> dict[str, Any]:
+    """The pool cluster as Istio builds it (istio/istio
+    pilot/pkg/networking/core/cluster_builder.go `applyOverrideHostPolicy`): the pool's
+    endpoints, the `override_host` LB policy (Envoy >= 1.35) reading the picker's
+    `envoy.lb/x-gateway-destination-endpoint` — a comma list: the first address is used,
+    the next ones by retries — writing the host it used to
+    `envoy.lb/x-gateway-destination-endpoint-served`, round robin without a pick."""
+    c = _static_cluster(name, endpoints)
+    del c["lb_policy"]
+    c["lb_policy"] = "CLUSTER_PROVIDED"
+    c["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _OVERRIDE_HOST,
+                        "override_host_sources": [
+                            {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION_KEY}]}}
+                        ],
+                        "selected_host_key": {"key": "envoy.lb", "path": [{"key": SERVED_KEY}]},
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.round_robin",
+                                        "typed_config": {"@type": _ROUND_ROBIN},
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+    return c
+
+
+def original_dst_cluster(name: str, source: Literal["metadata", "header"]) -> dict[str, Any]:
+    """An ORIGINAL_DST cluster: exactly ONE `ip:port` (a comma list is no address: 503)."""
+    odc: dict[str, Any]
+    if source == "metadata":
+        odc = {"metadata_key": {"key": "envoy.lb", "path": [{"key": DESTINATION_KEY}]}}
+    else:
+        odc = {"use_http_header": True, "http_header_name": DESTINATION_KEY}
+    return {
+        "name": name,
+        "type": "ORIGINAL_DST",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "connect_timeout": "10s",
+        "original_dst_lb_config": odc,
+    }
+
+
+def picker_cluster(name: str, host: str, port: int, tls: bool) -> dict[str, Any]:
+    """The endpoint picker's cluster: HTTP/2, and TLS that accepts any certificate (an
+    empty validation context) the way Envoy AI Gateway and kgateway always build it."""
+    c = _static_cluster(name, [f"{host}:{port}"], http2=True)
+    c["connect_timeout"] = "10s"
+    if tls:
+        c["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _TLS, "common_tls_context": {"validation_context": {}}},
+        }
+    return c
+
+
+def _gateway_listener(
+    host: str,
+    port: int,
+    filters: list[dict[str, Any]],
+    route: dict[str, Any],
+    per_route: dict[str, Any] | None,
+) -> dict[str, Any]:
+    lst = _listener("main", host, port, "pool", filters)
+    r = lst["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
+        "routes"
+    ][0]
+    r["route"] = route
+    if per_route:
+        r["typed_per_filter_config"] = per_route
+    return lst
+
+
+_SOURCES: dict[Gateway, str] = {
+    "istio": (
+        "istio/istio pilot/pkg/xds/filters/filters.go (InferencePoolExtProc),\n"
+        "pilot/pkg/networking/core/route/route.go (per-route ExtProcOverrides),\n"
+        "pilot/pkg/networking/core/cluster_builder.go (applyOverrideHostPolicy),\n"
+        "pilot/pkg/networking/core/route/retry/retry.go (default retry policy)"
+    ),
+    "envoy-ai-gateway": (
+        "envoyproxy/ai-gateway internal/extensionserver/inferencepool.go\n"
+        "(buildHTTPFilterForInferencePool, buildExtProcClusterForInferencePoolEndpointPicker),\n"
+        "internal/extensionserver/post_cluster_modify.go (handleInferencePoolCluster)"
+    ),
+    "kgateway": (
+        "kgateway-dev/kgateway pkg/kgateway/extensions2/plugins/inferenceextension/\n"
+        "endpointpicker/plugin.go (HttpFilters, ApplyForBackend, buildExtProcCluster,\n"
+        "processBackendObjectIR); the metadata options (receiving envoy.lb, forwarding\n"
+        "envoy.lb.subset_hint) are those of newer kgateway releases"
+    ),
+}
+
+
+def render_gateway_config(
+    gateway: Gateway,
+    pool_endpoints: Sequence[str],
+    *,
+    listener_port: int = 8080,
+    extproc_port: int = 9002,
+    admin_port: int = 9901,
+    host: str = "127.0.0.1",
+    extproc_host: str = "127.0.0.1",
+    picker_tls: bool | None = None,
+    failure_mode_allow: bool = False,
+    request_body_mode: str = "FULL_DUPLEX_STREAMED",
+    response_body_mode: str = "FULL_DUPLEX_STREAMED",
+    extra_http_filters: Sequence[dict[str, Any]] = (),
+) -> str:
+    """Envoy bootstrap (YAML, with a header naming its sources) shaped like `gateway`.
+
+    - istio: ext_proc at the HCM with per-route overrides (the picker's cluster, processing
+      mode), metadata options receiving and forwarding `envoy.lb`, message_timeout 1000 s;
+      the pool is an `override_host` cluster (comma lists work: fallbacks are retried with
+      Istio's default retry policy). TLS to the picker only with the DestinationRule of
+      Istio's guide (TLS SIMPLE, insecureSkipVerify): `picker_tls=True`; default off.
+    - envoy-ai-gateway: ext_proc with no metadata options, message_timeout 300 s, fail
+      closed, TLS to the picker; the pool is ORIGINAL_DST on the destination header.
+    - kgateway: ext_proc with message_timeout 5 s, per-route gRPC timeout 10 s, receiving
+      `envoy.lb`, forwarding `envoy.lb.subset_hint`, TLS to the picker; the pool is
+      ORIGINAL_DST on the destination header.
+
+    `pool_endpoints` stand in for the pool's EDS (istio; the others route to any address).
+    `failure_mode_allow` is the InferencePool's `failureMode: FailOpen` (Istio, kgateway;
+    Envoy AI Gateway always fails closed). Body modes may be changed for experiments;
+    the gateways themselves send FULL_DUPLEX_STREAMED.
+    """
+    if gateway not in GATEWAYS:
+        raise ValueError(f"gateway must be one of {GATEWAYS}, not {gateway!r}")
+    if gateway == "envoy-ai-gateway" and failure_mode_allow:
+        raise ValueError("Envoy AI Gateway always fails closed (failure_mode_allow: false)")
+    tls = picker_tls if picker_tls is not None else gateway != "istio"
+    mode = _processing_mode(request_body_mode, response_body_mode)
+    picker = picker_cluster("endpoint_picker", extproc_host, extproc_port, tls)
+    route: dict[str, Any] = {"cluster": "pool", "timeout": "0s"}
+    per_route: dict[str, Any] | None = None
+    filters: list[dict[str, Any]] = list(extra_http_filters)
+    ext: dict[str, Any] = {"@type": _EXT_PROC}
+    if gateway == "istio":
+        # The HCM-level filter is a placeholder (headers SKIP, fail open); each route to
+        # an InferencePool overrides the service, failure mode and processing mode.
+        ext.update(
+            {
+                "grpc_service": {
+                    "envoy_grpc": {"cluster_name": "endpoint_picker"},
+                    "timeout": "10s",
+                },
+                "failure_mode_allow": True,
+                "processing_mode": {
+                    "request_header_mode": "SKIP",
+                    "response_header_mode": "SKIP",
+                },
+                "message_timeout": "1000s",
+                "metadata_options": {
+                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                    "forwarding_namespaces": {"untyped": ["envoy.lb"]},
+                },
+            }
+        )
+        per_route = {
+            "envoy.filters.http.ext_proc": {
+                "@type": _EXT_PROC_PER_ROUTE,
+                "overrides": {
+                    "failure_mode_allow": failure_mode_allow,
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                    "processing_mode": mode,
+                },
+            }
+        }
+        route["retry_policy"] = _ISTIO_RETRY
+        pool = override_host_cluster("pool", pool_endpoints)
+    elif gateway == "envoy-ai-gateway":
+        ext.update(
+            {
+                "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                "processing_mode": mode,
+                "allow_mode_override": False,
+                "message_timeout": "300s",
+                "failure_mode_allow": False,
+            }
+        )
+        pool = original_dst_cluster("pool", "header")
+    else:
+        ext.update(
+            {
+                "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                "processing_mode": mode,
+                "message_timeout": "5s",
+                "failure_mode_allow": failure_mode_allow,
+                "metadata_options": {
+                    "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                    "forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]},
+                },
+            }
+        )
+        per_route = {
+            "envoy.filters.http.ext_proc": {
+                "@type": _EXT_PROC_PER_ROUTE,
+                "overrides": {
+                    "grpc_service": {
+                        "envoy_grpc": {"cluster_name": "endpoint_picker"},
+                        "timeout": "10s",
+                    }
+                },
+            }
+        }
+        pool = original_dst_cluster("pool", "header")
+        pool["connect_timeout"] = "1000s"
+    filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": ext})
+    doc = {
+        "admin": {"address": _addr(host, admin_port)},
+        "static_resources": {
+            "listeners": [_gateway_listener(host, listener_port, filters, route, per_route)],
+            "clusters": [pool, picker],
+        },
+    }
+    header = [
+        f"Envoy configured the way {gateway} configures its endpoint-picker filter,",
+        "with static resources (the pool's EDS and the picker's Service as STATIC clusters).",
+        "Read from:",
+        *_SOURCES[gateway].split("\n"),
+        "Rendered by scorer.envoyproc.render_gateway_config; regenerate with",
+        "`python -m scorer.envoyproc gateways envoy/gateways` (a test compares).",
+    ]
+    if gateway == "istio":
+        header.append("Fallback lists work here (override_host): policies.NAME.fallbacks > 0.")
+    else:
+        header.append("ORIGINAL_DST takes exactly one endpoint: keep policies.NAME.fallbacks 0.")
+    return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(doc, sort_keys=False)
+
+
+# The pool the committed envoy/gateways/*.yaml files route to (two local workers, as
+# envoy/envoy.yaml's comment and examples/ use).
+GATEWAY_FILE_POOL = ("127.0.0.1:8001", "127.0.0.1:8002")
+
+
+def write_gateway_files(directory: str | Path) -> list[Path]:
+    """Write envoy/gateways/<gateway>.yaml for every gateway shape; returns the paths."""
+    out = []
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for g in GATEWAYS:
+        p = d / f"{g}.yaml"
+        p.write_text(render_gateway_config(g, GATEWAY_FILE_POOL))
+        out.append(p)
+    return out
+
+
 def _http_get(url: str, timeout: float = 1.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -451,3 +767,13 @@ def validate_config(path: str | Path) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+if __name__ == "__main__":
+    # `python -m scorer.envoyproc gateways DIR`: regenerate the gateway-shaped configs.
+    if len(sys.argv) == 3 and sys.argv[1] == "gateways":
+        for written in write_gateway_files(sys.argv[2]):
+            print(written)
+    else:
+        print("usage: python -m scorer.envoyproc gateways DIR", file=sys.stderr)
+        sys.exit(2)

@@ -27,6 +27,8 @@ class AdminServer:
         self.port = port
         self.decisions = decisions
         self.ready = False
+        # Why /readyz answers 503 (the start-up gate's reason, or "shutting down").
+        self.not_ready_reason = "starting"
         self.app = web.Application()
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/healthz", self.healthz)
@@ -63,7 +65,7 @@ class AdminServer:
     async def readyz(self, request: web.Request) -> web.Response:
         if self.ready:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready\n")
+        return web.Response(status=503, text=f"not ready: {self.not_ready_reason}\n")
 
     async def debug_decisions(self, request: web.Request) -> web.Response:
         """`?limit=&model=&endpoint=&reason=`: newest first."""

@@ -145,6 +145,15 @@ def served_endpoint(req: ep.ProcessingRequest) -> str | None:
     return vals[0] if vals else None
 
 
+def response_status(req: ep.ProcessingRequest) -> int:
+    """The `:status` of a response_headers message (0 when absent or not a number)."""
+    for h in req.response_headers.headers.headers:
+        if h.key == ":status":
+            raw = h.raw_value.decode("ascii", "replace") if h.raw_value else h.value
+            return int(raw) if raw.isdigit() and len(raw) == 3 else 0
+    return 0
+
+
 # ---------------------------------------------------------------------------- responses
 
 

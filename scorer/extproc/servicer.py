@@ -35,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from scorer.api.inference_metrics import RequestRecord, observe_request
 from scorer.config import Config
 from scorer.extproc import protocol as P
 from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
@@ -107,12 +108,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             _STREAM_COUNTERS["refused"].inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-scorer is shutting down")
         ACTIVE.inc()
+        t0 = time.perf_counter()
+        # The inference extension's request families (scorer/api/inference_metrics.py).
+        rec = RequestRecord(model="")
         rid: str | None = None
         outcome = "error"
         try:
-            rid, outcome = await self._request_phase(context)
+            rid, outcome = await self._request_phase(context, rec)
             if rid is not None and self.track_responses:
-                await self._response_phase(rid, context)
+                await self._response_phase(rid, context, rec)
+                rec.duration_s = time.perf_counter() - t0
         except (grpc.aio.AbortError, AbortStream):
             raise
         except asyncio.CancelledError:
@@ -134,10 +139,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             _STREAM_COUNTERS[outcome].inc()
             if rid is not None:
                 self.inflight.finished(rid)
+            if outcome not in ("empty", "refused") and (rec.routed or rec.status):
+                observe_request(rec)
 
     # ------------------------------------------------------------------ request path
 
-    async def _request_phase(self, context: StreamContext) -> tuple[str | None, str]:
+    async def _request_phase(
+        self, context: StreamContext, rec: RequestRecord
+    ) -> tuple[str | None, str]:
         """Read the request, answer with the destination. Returns (in-flight id, outcome)."""
         msg = await context.read()
         if msg is _EOF:
@@ -160,6 +169,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
         if msg.request_headers.end_of_stream:
             d = self.route_bodyless(req)
+            rec.routed, rec.status = bool(d.endpoints), 0 if d.endpoints else d.status
             await context.write(self._headers_answer(d))
             return self._routed(req, d)
 
@@ -185,6 +195,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     chunks.append(b)
                     size += len(b)
                 if size > self.max_body:
+                    rec.status = 413
                     await context.write(
                         P.immediate_error(
                             413,
@@ -206,7 +217,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         t0 = time.perf_counter()
         d = await self.route_body(req, body)
         ROUTE_SECONDS.observe(time.perf_counter() - t0)
+        rec.model = req.model or ""
+        rec.request_bytes = size
+        rec.routed = bool(d.endpoints)
         if not d.endpoints:
+            rec.status = d.status
             await context.write(self._error_answer(d))
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint")
 
@@ -341,6 +356,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         rid: str,
         context: StreamContext,
+        rec: RequestRecord,
     ) -> None:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange)."""
         task = asyncio.current_task()
@@ -348,7 +364,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return
         self._following.add(task)
         try:
-            await self._follow(rid, context)
+            await self._follow(rid, context, rec)
         except asyncio.CancelledError:
             if not self._releasing:
                 raise
@@ -370,6 +386,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         rid: str,
         context: StreamContext,
+        rec: RequestRecord,
     ) -> None:
         while True:
             m = await context.read()
@@ -378,6 +395,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
             if k == "response_headers":
+                status = P.response_status(m)
+                if status:
+                    rec.status, rec.from_model_server = status, True
                 served = P.served_endpoint(m)
                 if served is not None and served != self.inflight.endpoint_of(rid):
                     SERVED_MOVED.inc()
