@@ -93,6 +93,11 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
         components.append(PoolDiscovery(config, pool))
     if config.events.enabled:
         components.insert(2, events)
+        if config.events.bind:
+            from scorer.events.pool_socket import PoolEventSocket
+
+            # One SUB socket for every engine of the pool (topic names the worker).
+            components.insert(3, PoolEventSocket(config, pool, events))
     services: dict[str, Any] = {
         "hasher": hasher,
         "index": index,

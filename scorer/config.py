@@ -74,8 +74,10 @@ class EventsEndpointConfig(Strict):
 
     endpoint: str  # tcp://host:port
     # connect: we connect to the engine's bound PUB (vLLM `tcp://*:PORT`);
-    # bind: we bind and the engine connects (vLLM `tcp://host:PORT`).
-    mode: Literal["connect", "bind"] = "connect"
+    # bind: we bind and the engine connects (vLLM `tcp://host:PORT`);
+    # pool: the engine publishes to the pool socket (`events.bind`) with topic
+    # `kv@<ip>:<port>@<model>`; `endpoint` is then unused, `replay_endpoint` still applies.
+    mode: Literal["connect", "bind", "pool"] = "connect"
     replay_endpoint: str | None = None  # vLLM `replay_endpoint` (ROUTER)
     topic: str = ""
 
@@ -214,6 +216,7 @@ class EventsConfig(Strict):
     unknown_topic_hold_s: float = Field(5.0, ge=0)
     hold_max_messages: int = Field(256, ge=0)
     hold_max_topics: int = Field(64, ge=0)
+    hold_max_bytes: int = Field(16 * 1024 * 1024, ge=0)
 
 
 class IndexConfig(Strict):

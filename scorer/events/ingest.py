@@ -75,7 +75,7 @@ class EventIngest:
             self.applier.stats.pop(ep, None)
             return
         events = change.worker.config.events
-        if self._context is not None and events is not None:
+        if self._context is not None and events is not None and events.mode != "pool":
             sub = Subscriber(ep, events, self.applier, self.config.events, self._context)
             self.subscribers[ep] = sub
             task = asyncio.get_running_loop().create_task(sub.start())
@@ -88,11 +88,10 @@ class EventIngest:
             return
         self._context = zmq.asyncio.Context()
         for w in list(self.pool):
-            if w.config.events is None or w.endpoint in self.subscribers:
+            ev = w.config.events
+            if ev is None or ev.mode == "pool" or w.endpoint in self.subscribers:
                 continue
-            sub = Subscriber(
-                w.endpoint, w.config.events, self.applier, self.config.events, self._context
-            )
+            sub = Subscriber(w.endpoint, ev, self.applier, self.config.events, self._context)
             self.subscribers[w.endpoint] = sub
             await sub.start()
 

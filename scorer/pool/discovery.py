@@ -138,21 +138,24 @@ def _port_annotation(pe: PodEndpoint, key: str) -> int | None:
     return port if 0 < port < 65536 else None
 
 
-def worker_config(pe: PodEndpoint, d: DiscoveryConfig) -> WorkerConfig:
-    """The WorkerConfig of a discovered address: metrics URL, per-worker events (connect
-    mode, port + rank: vLLM offsets its publisher port by the data-parallel rank)."""
+def worker_config(
+    pe: PodEndpoint, d: DiscoveryConfig, pool_socket: str | None = None
+) -> WorkerConfig:
+    """The WorkerConfig of a discovered address: metrics URL and KV events, either its own
+    publisher (connect mode, `events_port`) or the pool socket (`events.bind`, topic
+    `kv@ip:port@model`), with replay from `events_replay_port`. Ports count up by the
+    target port's rank (vLLM offsets its publisher ports by the data-parallel rank)."""
     metrics_port = d.metrics_port or pe.port
     events = None
     ev_port = _port_annotation(pe, EVENTS_PORT_ANNOTATION) or d.events_port
+    replay_port = _port_annotation(pe, REPLAY_PORT_ANNOTATION) or d.events_replay_port
+    replay = None if replay_port is None else f"tcp://{pe.host}:{replay_port + pe.rank}"
     if ev_port is not None:
-        replay_port = _port_annotation(pe, REPLAY_PORT_ANNOTATION) or d.events_replay_port
         events = EventsEndpointConfig(
-            endpoint=f"tcp://{pe.host}:{ev_port + pe.rank}",
-            mode="connect",
-            replay_endpoint=(
-                None if replay_port is None else f"tcp://{pe.host}:{replay_port + pe.rank}"
-            ),
+            endpoint=f"tcp://{pe.host}:{ev_port + pe.rank}", mode="connect", replay_endpoint=replay
         )
+    elif pool_socket:
+        events = EventsEndpointConfig(endpoint=pool_socket, mode="pool", replay_endpoint=replay)
     return WorkerConfig(
         endpoint=pe.endpoint,
         metrics_url=f"http://{pe.host}:{metrics_port}{d.metrics_path}",
@@ -352,7 +355,8 @@ class PoolDiscovery:
                 self.pool.remove(w.endpoint, "replaced")
         for ep, pe in want.items():
             if ep not in self.pool.workers:
-                self.pool.add(worker_config(pe, self.d), "ready", pod=pe.pod, pod_uid=pe.uid)
+                wc = worker_config(pe, self.d, self.config.events.bind)
+                self.pool.add(wc, "ready", pod=pe.pod, pod_uid=pe.uid)
         if self.pod_informer is not None and self.pod_informer.synced:
             self._previous = None
         if not pool_gone and not self.synced.is_set() and self._previous is None:

@@ -14,12 +14,12 @@ from fake_kube import POOLS, FakeKubeAPI, inference_pool, kubeconfig, pod
 from k8s_helpers import ManualClock, until, until_advancing
 
 from scorer.blocks import BlockHasher
-from scorer.config import Config
+from scorer.config import Config, DiscoveryConfig
 from scorer.events import EventIngest
 from scorer.index import BlockIndex
 from scorer.policy.base import PolicyContext, build_policy
 from scorer.pool import Pool
-from scorer.pool.discovery import PoolDiscovery, pod_endpoints, pool_spec
+from scorer.pool.discovery import PoolDiscovery, pod_endpoints, pool_spec, worker_config
 from scorer.pool.workers import PoolChange
 from scorer.router import Router
 from scorer.routing import RoutingRequest
@@ -102,6 +102,20 @@ def test_pod_endpoints_one_per_port_ipv6_bracketed() -> None:
     eps = pod_endpoints(pod("a", "fd00::5"), (8000, 8001))
     assert [e.endpoint for e in eps] == ["[fd00::5]:8000", "[fd00::5]:8001"]
     assert [e.rank for e in eps] == [0, 1]
+
+
+def test_worker_config_events_own_socket_or_pool_socket() -> None:
+    d = DiscoveryConfig(events_replay_port=5558)
+    (pe,) = pod_endpoints(pod("a", "10.0.0.7"), (8000,))
+    assert worker_config(pe, d).events is None
+    ev = worker_config(pe, d, "tcp://*:5557").events
+    assert ev is not None and ev.mode == "pool"
+    assert ev.replay_endpoint == "tcp://10.0.0.7:5558"
+    # Per-pod annotations override the defaults.
+    annotated = pod("b", "10.0.0.8", annotations={"kv-scorer.io/events-port": "6000"})
+    (pe,) = pod_endpoints(annotated, (8000,))
+    ev = worker_config(pe, d, "tcp://*:5557").events
+    assert ev is not None and (ev.mode, ev.endpoint) == ("connect", "tcp://10.0.0.8:6000")
 
 
 # ---- scenarios -------------------------------------------------------------------------
