@@ -36,73 +36,54 @@ from aiohttp import web
 from fake_kube import POOLS, FakeKubeAPI, inference_pool, kubeconfig, pod
 from k8s_helpers import until
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
 from scorer.config import load_config
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from scorer.envoyproc import render_gateway_config
 from scorer.pool.workers import PoolChange
 from scorer.routing import Decision, RoutingRequest
 
 pytestmark = pytest.mark.envoy
 
 NS = "llm"
-_OVERRIDE_HOST = (
-    "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
-)
-_ROUND_ROBIN = (
-    "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
-)
 _CLA = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 KEY = "x-gateway-destination-endpoint"
 
 
-def istio_pool_cluster(eds_dir: Path) -> dict[str, Any]:
-    """The InferencePool cluster as Istio builds it, with its endpoints from a file."""
-    md = {"key": "envoy.lb", "path": [{"key": KEY}]}
-    return {
-        "name": "inference_pool",
-        "type": "EDS",
-        "connect_timeout": "1s",
-        "eds_cluster_config": {
-            "eds_config": {
-                "resource_api_version": "V3",
-                "path_config_source": {
-                    "path": str(eds_dir / "eds.yaml"),
-                    "watched_directory": {"path": str(eds_dir)},
-                },
-            }
-        },
-        "lb_policy": "CLUSTER_PROVIDED",
-        "load_balancing_policy": {
-            "policies": [
-                {
-                    "typed_extension_config": {
-                        "name": "envoy.load_balancing_policies.override_host",
-                        "typed_config": {
-                            "@type": _OVERRIDE_HOST,
-                            "override_host_sources": [{"metadata": md}],
-                            "selected_host_key": {
-                                "key": "envoy.lb",
-                                "path": [{"key": KEY + "-served"}],
-                            },
-                            "fallback_policy": {
-                                "policies": [
-                                    {
-                                        "typed_extension_config": {
-                                            "name": "envoy.load_balancing_policies.round_robin",
-                                            "typed_config": {"@type": _ROUND_ROBIN},
-                                        }
-                                    }
-                                ]
-                            },
-                        },
-                    }
-                }
-            ]
-        },
+def istio_with_file_eds(extproc_port: int, eds_dir: Path) -> str:
+    """scorer.envoyproc's Istio shape, its pool cluster fed by a watched EDS file (Istio
+    feeds the same cluster by EDS from istiod)."""
+    doc = yaml.safe_load(
+        render_gateway_config(
+            "istio",
+            ["127.0.0.1:1"],
+            listener_port=0,
+            extproc_port=extproc_port,
+            admin_port=0,
+            # Until the scorer answers streamed response bodies (issue 10 item 1), as in
+            # tests/e2e/test_gateway_fallback.py.
+            response_body_mode="NONE",
+        )
+    )
+    pools = [c for c in doc["static_resources"]["clusters"] if "load_balancing_policy" in c]
+    assert len(pools) == 1, "one override_host pool cluster"
+    pool = pools[0]
+    pool["type"] = "EDS"
+    del pool["load_assignment"]
+    pool["eds_cluster_config"] = {
+        "eds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {
+                "path": str(eds_dir / "eds.yaml"),
+                "watched_directory": {"path": str(eds_dir)},
+            },
+        }
     }
+    doc["node"] = {"id": "gateway", "cluster": "inference-gateway"}  # file EDS needs both
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
-def write_eds(eds_dir: Path, endpoints: list[str], version: int) -> None:
+def write_eds(eds_dir: Path, cluster: str, endpoints: list[str], version: int) -> None:
     """Replace the EDS file atomically (Envoy reloads on a move into the watched dir)."""
     lb = []
     for ep in sorted(endpoints):
@@ -112,7 +93,7 @@ def write_eds(eds_dir: Path, endpoints: list[str], version: int) -> None:
     doc = {
         "version_info": str(version),
         "resources": [
-            {"@type": _CLA, "cluster_name": "inference_pool", "endpoints": [{"lb_endpoints": lb}]}
+            {"@type": _CLA, "cluster_name": cluster, "endpoints": [{"lb_endpoints": lb}]}
         ],
     }
     tmp = eds_dir.parent / f"eds-{version}.tmp"
@@ -173,14 +154,14 @@ def free_port_on(ips: list[str]) -> int:
     raise RuntimeError("no common free port")
 
 
-def envoy_hosts(admin_port: int) -> set[str]:
+def envoy_hosts(admin_port: int, cluster: str) -> set[str]:
     with urllib.request.urlopen(
         f"http://127.0.0.1:{admin_port}/clusters?format=json", timeout=2
     ) as r:
         data = json.loads(r.read())
     out = set()
     for c in data.get("cluster_statuses", []):
-        if c.get("name") != "inference_pool":
+        if c.get("name") != cluster:
             continue
         for h in c.get("host_statuses", []):
             sa = h["address"]["socket_address"]
@@ -198,6 +179,7 @@ class World:
         self.eds_dir = tmp / "eds"
         self.eds_dir.mkdir()
         self.eds_version = 0
+        self.cluster = ""
         self.backends: dict[str, PodBackend] = {}  # ip → backend
         self.names: dict[str, str] = {}  # ip → pod name
         self.app: App | None = None
@@ -223,12 +205,12 @@ class World:
         """Make Envoy's endpoint set equal to the API's Ready pods and wait until loaded."""
         want = self.api_ready()
         self.eds_version += 1
-        write_eds(self.eds_dir, sorted(want), self.eds_version)
+        write_eds(self.eds_dir, self.cluster, sorted(want), self.eds_version)
         assert self.envoy is not None
         admin = self.envoy.admin_port
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
-        while await asyncio.to_thread(envoy_hosts, admin) != want:
+        while await asyncio.to_thread(envoy_hosts, admin, self.cluster) != want:
             assert loop.time() < deadline, "Envoy did not load the EDS file"
             await asyncio.sleep(0.02)
 
@@ -300,23 +282,19 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         },
         environ={},
     )
-    write_eds(w.eds_dir, [], 0)
     w.app = App(config)
     w.app.pool.subscribe(w.on_pool)
     w.wrap_policy()
     await w.app.start()
-    doc = yaml.safe_load(render_envoy_config(0, w.app.extproc_port, 0))
-    clusters = doc["static_resources"]["clusters"]
-    doc["static_resources"]["clusters"] = [
-        istio_pool_cluster(w.eds_dir) if c["name"] == "original_destination_cluster" else c
-        for c in clusters
-    ]
-    doc["node"] = {"id": "gateway", "cluster": "inference-gateway"}  # file EDS needs both
-    route = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    vh = route["typed_config"]["route_config"]["virtual_hosts"][0]
-    vh["routes"][0]["route"]["cluster"] = "inference_pool"
+    cfg = istio_with_file_eds(w.app.extproc_port, w.eds_dir)
+    w.cluster = next(
+        c["name"]
+        for c in yaml.safe_load(cfg)["static_resources"]["clusters"]
+        if c.get("type") == "EDS"
+    )
+    write_eds(w.eds_dir, w.cluster, [], 0)
     try:
-        async with EnvoyProcess(yaml.safe_dump(doc)) as envoy:
+        async with EnvoyProcess(cfg) as envoy:
             w.envoy = envoy
             yield w
     finally:

@@ -11,13 +11,13 @@ import pytest
 import pytest_asyncio
 from k8s_helpers import until
 
+from kvscorer_tools.sim.kvevents import KVEventPublisher, block_stored, encode_batch
 from scorer.blocks import BlockHasher
 from scorer.config import Config, EventsEndpointConfig, WorkerConfig
 from scorer.events import EventIngest
 from scorer.events.pool_socket import PoolEventSocket, topic_endpoint
 from scorer.index import BlockIndex
 from scorer.pool import Pool
-from scorer.sim.kvevents import KVEventPublisher, block_stored, encode_batch
 
 BS = 16
 

@@ -2,9 +2,9 @@
 
 Nothing here touches the network or the wall clock. Time is simulated: a heap of events
 (arrivals, engine-step ends, metric scrapes). Each simulated worker is stepped like the
-simulated worker's engine (`scorer.sim.engine.Engine`), over the same
-`scorer.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
-`scorer.sim.timing.TimingModel`:
+simulated worker's engine (`kvscorer_tools.sim.engine.Engine`), over the same
+`kvscorer_tools.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
+`kvscorer_tools.sim.timing.TimingModel`:
 
 * a step schedules waiting requests FIFO (never skipping the head) while fewer than
   `max_num_seqs` run, their uncached prompt tokens fit `max_num_batched_tokens` (the first
@@ -45,15 +45,16 @@ from typing import Any
 
 import numpy as np
 
-from scorer.bench.workloads import Workload
+from kvscorer_tools.bench.workloads import Workload
+from kvscorer_tools.sim.cache import PrefixCache
+from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.timing import TimingModel
 from scorer.blocks import BlockHasher
 from scorer.config import Config
 from scorer.index import BlockIndex
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
 from scorer.routing import RoutingRequest
-from scorer.sim.cache import PrefixCache
-from scorer.sim.timing import TimingModel
 
 UNBOUNDED_BLOCKS = 1 << 40  # "unbounded" capacity: more blocks than any trace can use
 MODEL = "bench-model"
@@ -151,8 +152,12 @@ class _Req:
     remaining: int = 0
 
 
+def _request_keys(r: _Req) -> list[int]:
+    return r.keys
+
+
 class _SimWorker:
-    """One simulated engine, stepped like `scorer.sim.engine.Engine` on simulated time."""
+    """One simulated engine, stepped like `kvscorer_tools.sim.engine.Engine` on simulated time."""
 
     def __init__(self, sim: _Replay, endpoint: str, capacity: int) -> None:
         self.sim = sim
@@ -215,29 +220,19 @@ class _SimWorker:
         self.sim.tracker_finished(r)
 
     def start_step(self, now: float) -> None:
-        """Schedule the next engine step (see scorer.sim.engine.Engine._schedule)."""
+        """Schedule the next engine step (admission: `kvscorer_tools.sim.scheduler`, as the sim)."""
         st = self.sim.settings
-        bs = self.cache.block_size
-        admitted: list[_Req] = []
-        budget = 0
-        while self.waiting and len(self.running) + len(admitted) < st.max_num_seqs:
-            head = self.waiting[0]
-            # vLLM caps the hit so the last prompt token is always computed.
-            lookup = head.keys[: (head.prompt_tokens - 1) // bs]
-            matched = self.cache.match(lookup)
-            uncached = head.prompt_tokens - matched * bs
-            if admitted and budget + uncached > st.max_num_batched_tokens:
-                break
-            if not self.cache.can_admit(head.keys, head.extra_blocks):
-                break  # wait for running requests to free their blocks (FIFO head)
-            self.waiting.popleft()
-            self.cache.lookup(lookup, head.prompt_tokens)  # the worker's hit counters
-            new = self.cache.admit(head.keys, head.extra_blocks)
-            if new:
-                self.sim.feed_store(self.endpoint, new)
-            head.remaining = head.output_tokens
-            admitted.append(head)
-            budget += uncached
+        step = schedule_step(
+            self.waiting,
+            len(self.running),
+            self.cache,
+            max_num_seqs=st.max_num_seqs,
+            max_num_batched_tokens=st.max_num_batched_tokens,
+            block_keys=_request_keys,
+            on_admit=self._admitted,
+        )
+        admitted = [a.request for a in step.admitted]
+        budget = step.prefill_tokens
         decoding = len(self.running)
         if not admitted and not decoding:
             return  # idle (a blocked head cannot happen with nothing running)
@@ -253,6 +248,11 @@ class _SimWorker:
             self.step_s = timing.decode_ms_per_token(decoding) / 1000.0
             self.steps = max(min(r.remaining for r in self.running), 1)
         self._schedule(now + self.steps * self.step_s)
+
+    def _admitted(self, a: Admission[_Req]) -> None:
+        if a.stored:
+            self.sim.feed_store(self.endpoint, a.stored)
+        a.request.remaining = a.request.output_tokens
 
     def _schedule(self, end: float) -> None:
         self.step_end = end
