@@ -15,13 +15,13 @@ from k8s_helpers import ManualClock, until, until_advancing
 
 from scorer.blocks import BlockHasher
 from scorer.config import Config, DiscoveryConfig
+from scorer.director import Director
 from scorer.events import EventIngest
 from scorer.index import BlockIndex
 from scorer.policy.base import PolicyContext, build_policy
 from scorer.pool import Pool
 from scorer.pool.discovery import PoolDiscovery, pod_endpoints, pool_spec, worker_config
 from scorer.pool.workers import PoolChange
-from scorer.router import Router
 from scorer.routing import RoutingRequest
 
 NS = "llm"
@@ -206,7 +206,7 @@ async def test_pod_not_ready_under_load_gets_no_new_request(
     await harness.disc.start()
     await harness.wait_for(eps)
     policy = build_policy("round_robin", PolicyContext(harness.pool, harness.config, {}), None)
-    router = Router(harness.pool, policy)
+    director = Director(harness.config, harness.pool, policy)
     ready = set(eps)
     picked_wrong: list[str] = []
     stop = asyncio.Event()
@@ -214,7 +214,7 @@ async def test_pod_not_ready_under_load_gets_no_new_request(
     async def load() -> int:
         n = 0
         while not stop.is_set():
-            d = await router.route(RoutingRequest(request_id=f"r{n}", model="m"))
+            d = await director.decide(RoutingRequest(request_id=f"r{n}", model="m"))
             # What is Ready by the API's latest word at the moment of the decision.
             if d.endpoints and d.endpoints[0] not in ready:
                 picked_wrong.append(d.endpoints[0])

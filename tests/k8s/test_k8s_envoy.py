@@ -245,7 +245,7 @@ class World:
 
     def wrap_policy(self) -> None:
         assert self.app is not None
-        policy = self.app.router.policy
+        policy = self.app.director.policy
         decide = policy.decide
 
         def recording(request: RoutingRequest, candidates: Any) -> Decision:
