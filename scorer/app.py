@@ -30,6 +30,7 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest
 from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
+from scorer.api.auth import BearerToken, GuardedScorer, TokenError
 from scorer.api.health import Health
 from scorer.api.inference_metrics import POOLS, observe_completion
 from scorer.api.readiness import ReadinessGate
@@ -61,7 +62,8 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
     through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape".
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape", "health"
+    (scorer.pool.health.HealthMonitor).
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -71,6 +73,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     from scorer.blocks import BlockHasher
     from scorer.events.ingest import EventIngest
     from scorer.index import BlockIndex
+    from scorer.pool.health import HealthMonitor
     from scorer.pool.scrape import LoadScraper
     from scorer.tokens.service import NoTokenizer, Tokenization
 
@@ -87,7 +90,9 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
 
     events = EventIngest(config, pool, index, hasher, tokenize=debug_tokenize)
     scraper = LoadScraper(config, pool)
-    components: list[Any] = [tokens, scraper]
+    # First in the list: it starts before (and stops after) every part that reports evidence.
+    health = HealthMonitor(config, pool, index)
+    components: list[Any] = [health, tokens, scraper]
     if config.pool.discovery.enabled:
         from scorer.pool.discovery import PoolDiscovery
 
@@ -106,6 +111,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
         "events": events,
         "tokens": tokens,
         "scrape": scraper,
+        "health": health,
     }
     return components, services
 
@@ -166,12 +172,31 @@ class App:
         self.scorer = ScorerService(self.director, self.services.get("hasher"))
         # The inference extension's request families, once per finished request.
         self.director.completion_hooks.append(observe_completion)
+        # Requests that failed on a worker are health evidence (scorer.pool.health).
+        health = self.services.get("health")
+        if health is not None:
+            self.director.completion_hooks.append(health.on_completion)
+        # server.auth_token_file guards Score, /metrics and /debug/* (scorer.api.auth).
+        token = None
+        if config.server.auth_token_file:
+            try:
+                token = BearerToken(config.server.auth_token_file)
+            except TokenError as e:
+                raise ConfigError(str(e)) from e
+        self.scorer_rpc: Any = GuardedScorer(self.scorer, token) if token else self.scorer
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):
                 routes.extend(c.routes())
         s = config.server
-        self.admin = AdminServer(s.host, s.admin_port, self.decisions, routes)
+        self.admin = AdminServer(
+            s.host,
+            s.admin_port,
+            self.decisions,
+            routes,
+            token=token,
+            debug_endpoints=s.debug_endpoints,
+        )
         self.extproc_server: grpc.aio.Server | None = None
         self.extproc_h2: H2GrpcServer | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -202,7 +227,7 @@ class App:
             self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
             add_extproc_h2(self.extproc, self.extproc_h2)
             self.extproc_h2.add_handler(
-                "/scorer.v1.Scorer/Score", unary(self.scorer.Score), ScoreRequest.FromString
+                "/scorer.v1.Scorer/Score", unary(self.scorer_rpc.Score), ScoreRequest.FromString
             )
             self.extproc_h2.add_handler(
                 "/grpc.health.v1.Health/Check",
@@ -220,7 +245,7 @@ class App:
         else:
             self.extproc_server = grpc.aio.server(options=opts)
             add_extproc(self.extproc, self.extproc_server)
-            add_scorer(self.scorer, self.extproc_server)
+            add_scorer(self.scorer_rpc, self.extproc_server)
             self.health.add_to_server(self.extproc_server)
             addr = f"{s.host}:{s.extproc_port}"
             if self.tls is not None:

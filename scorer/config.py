@@ -77,6 +77,11 @@ class ServerConfig(Strict):
     # reports ready with the streams still connecting). Keep it below the liveness
     # probe's budget: the reference charts probe "inference-extension" for liveness too.
     readiness_events_timeout_s: float = Field(10.0, ge=0)
+    # A file holding a bearer token: when set, /metrics, /debug/* and scorer.v1 Score need
+    # `Authorization: Bearer <token>` (re-read when the file changes). Off by default.
+    auth_token_file: str | None = None
+    # false: no /debug/* routes on the admin server (404).
+    debug_endpoints: bool = True
 
 
 class ExtProcConfig(Strict):
@@ -198,6 +203,21 @@ class DiscoveryConfig(Strict):
         return self.pool_namespace or env.get("NAMESPACE") or "default"
 
 
+class HealthConfig(Strict):
+    """Worker health from evidence (scorer.pool.health): ejection and readmission."""
+
+    # Off: workers are never ejected (every worker is always eligible).
+    enabled: bool = True
+    # Confirmation probe: a TCP connect to the worker's endpoint ("tcp"), or an HTTP GET of
+    # `probe_path` on it that must answer 2xx ("http"). Never on the request path.
+    probe: Literal["tcp", "http"] = "tcp"
+    probe_path: str = "/health"
+    probe_timeout_s: float = Field(1.0, gt=0)
+    # Backoff of the probes of an ejected worker: first interval, doubled up to the max.
+    probe_interval_s: float = Field(0.5, gt=0)
+    probe_max_interval_s: float = Field(10.0, gt=0)
+
+
 class PoolConfig(Strict):
     """The worker pool: a static list, or discovered from Kubernetes (pool.discovery)."""
 
@@ -209,6 +229,7 @@ class PoolConfig(Strict):
     models: list[str] = Field(default_factory=list)
     # Engine block size in tokens; events and vllm:cache_config_info must agree.
     block_size: int = Field(16, ge=1, le=4096)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -81,7 +81,14 @@ class EventIngest:
             return
         events = change.worker.config.events
         if self._context is not None and events is not None and events.mode != "pool":
-            sub = Subscriber(ep, events, self.applier, self.config.events, self._context)
+            sub = Subscriber(
+                ep,
+                events,
+                self.applier,
+                self.config.events,
+                self._context,
+                on_disconnect=self._dropped,
+            )
             self.subscribers[ep] = sub
             task = asyncio.get_running_loop().create_task(sub.start())
             self._closing.add(task)
@@ -96,9 +103,20 @@ class EventIngest:
             ev = w.config.events
             if ev is None or ev.mode == "pool" or w.endpoint in self.subscribers:
                 continue
-            sub = Subscriber(w.endpoint, ev, self.applier, self.config.events, self._context)
+            sub = Subscriber(
+                w.endpoint,
+                ev,
+                self.applier,
+                self.config.events,
+                self._context,
+                on_disconnect=self._dropped,
+            )
             self.subscribers[w.endpoint] = sub
             await sub.start()
+
+    def _dropped(self, endpoint: str) -> None:
+        # Evidence for scorer.pool.health (confirmed by a probe of the serving port).
+        self.pool.report(endpoint, "events_dropped", "KV-event stream disconnected")
 
     async def stop(self) -> None:
         for sub in self.subscribers.values():

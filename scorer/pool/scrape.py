@@ -23,9 +23,11 @@ are summed, usage is averaged.
 The staleness rule (documented in docs/policy.md and used by the policies through
 `fresh_scrape`): a scrape older than `load.stale_after_s` (or none yet) is IGNORED — its
 waiting queue and KV usage count as unknown and only the router's own in-flight
-accounting counts. Failing scrapes never mark a worker unhealthy and never make it look
-saturated: health belongs to the data path (Envoy outlier detection / the extproc), and
-a metrics port can fail while the serving port is fine. Staleness is visible per worker
+accounting counts. A failing scrape never marks a worker unhealthy by itself and never
+makes it look saturated (a slow or timed-out scrape is not evidence; a metrics port can
+fail while the serving port is fine). A REFUSED or RESET connection is reported as
+evidence to scorer.pool.health, which confirms it with a probe of the serving endpoint
+before ejecting anyone. Staleness is visible per worker
 in `GET /debug/pool` and in `kv_scorer_scrape_stale{endpoint}`.
 """
 
@@ -45,6 +47,7 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from scorer.config import Config
+from scorer.pool.health import METRICS_REFUSED, describe, is_refusal
 from scorer.pool.workers import Pool, PoolChange, ScrapedLoad, Worker
 
 log = logging.getLogger(__name__)
@@ -292,6 +295,10 @@ class LoadScraper:
         except TimeoutError:
             return self._failed(worker, "timeout", "timeout")
         except (aiohttp.ClientError, OSError) as e:
+            if is_refusal(e):
+                # The worker's own host refused or reset us: evidence for scorer.pool.health
+                # (which confirms it on the serving port). Timeouts above are not evidence.
+                self.pool.report(worker.endpoint, METRICS_REFUSED, f"{type(e).__name__}: {e}")
             return self._failed(worker, "error", f"{type(e).__name__}: {e}")
         if self.pool.get(worker.endpoint) is not worker:
             return False  # left the pool while we waited: keep no series for it
@@ -360,6 +367,7 @@ class LoadScraper:
                 {
                     "endpoint": w.endpoint,
                     "healthy": w.healthy,
+                    "health": describe(w, now),
                     "models": list(w.config.models),
                     "inflight": {
                         "requests": w.inflight.requests,

@@ -55,6 +55,28 @@ class ScrapedLoad:
     attempts: int = 0  # scrapes tried (success or not)
 
 
+@dataclass(slots=True)
+class HealthState:
+    """Why a worker is out of rotation (scorer.pool.health); shown by /debug/pool."""
+
+    reason: str | None = None  # the evidence that ejected it; None while healthy
+    detail: str = ""
+    since: float = 0.0  # monotonic time of the ejection
+    ejections: int = 0
+    probes: int = 0  # probes since the ejection
+    last_probe: str | None = None  # what the newest failed probe saw
+    last_evidence: str | None = None  # newest evidence, confirmed or not
+    dismissed: int = 0  # evidence a probe found the worker alive for
+
+
+# (endpoint, evidence kind, detail): how any part reports a failure seen on a worker.
+EvidenceSink = Callable[[str, str, str], None]
+
+
+def _no_sink(endpoint: str, kind: str, detail: str) -> None:
+    return None
+
+
 @dataclass
 class Worker:
     """One model server. `endpoint` is what Envoy connects to (`ip:port`)."""
@@ -63,6 +85,7 @@ class Worker:
     inflight: WorkerLoad
     healthy: bool = True
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    health: HealthState = field(default_factory=HealthState)
     # Where it came from: "config", or the pod ("namespace/name", uid) that owns the address.
     pod: str | None = None
     pod_uid: str | None = None
@@ -103,6 +126,14 @@ class Pool:
         for wc in workers:
             self.workers[wc.endpoint] = Worker(wc, self.inflight.load(wc.endpoint))
         POOL_WORKERS.set(len(self.workers))
+        # scorer.pool.health installs itself here; until then evidence is ignored.
+        self.evidence_sink: EvidenceSink = _no_sink
+
+    def report(self, endpoint: str, kind: str, detail: str = "") -> None:
+        """Evidence that `endpoint` failed (a refused connection, a dropped event stream, a
+        failed request). Cheap and synchronous: the health monitor confirms it off the
+        request path. Safe to call for unknown endpoints."""
+        self.evidence_sink(endpoint, kind, detail)
 
     @classmethod
     def from_config(cls, config: Config) -> Pool:
