@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+from prometheus_client import Counter
 
 from scorer.config import Config
 from scorer.decisions import DecisionLog
@@ -37,6 +38,8 @@ from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
 from scorer.pool.workers import Pool
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
+from scorer.usage import OUTCOMES as USAGE_OUTCOMES
+from scorer.usage import Usage, UsageReader
 
 if TYPE_CHECKING:
     from scorer.pool.workers import Worker
@@ -104,6 +107,11 @@ class Completion:
     duration_s: float | None  # request headers → end of the response (followed only)
     request_bytes: int | None
     reset: bool = False  # ended by a reset (client gone, upstream failure)
+    # From the response body (followed responses with bodies only; None: unknown).
+    response_bytes: int | None = None
+    input_tokens: int | None = None  # usage.prompt_tokens
+    output_tokens: int | None = None  # usage.completion_tokens
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass(slots=True)
@@ -112,6 +120,25 @@ class _Live:
     started: float  # perf_counter at the request headers
     request_bytes: int | None
     status: int | None = None
+    reader: UsageReader | None = None  # set when the response headers arrive
+
+
+USAGE = Counter(
+    "kv_scorer_response_usage_total",
+    "Followed responses by what reading their usage found "
+    "(ok, absent, malformed, not_json, too_large, empty)",
+    ["outcome"],
+)
+TOKENS = Counter(
+    "kv_scorer_response_tokens_total",
+    "Tokens reported by responses' usage, by model, endpoint and kind (input, output, "
+    "cached = prompt_tokens_details.cached_tokens)",
+    ["model", "endpoint", "kind"],
+)
+_USAGE_COUNTERS = {o: USAGE.labels(o) for o in USAGE_OUTCOMES}
+# Model names come from request bodies: label values are capped (later names share one).
+_MAX_MODELS = 256
+_OTHER_MODEL = "__other__"
 
 
 CompletionHook = Callable[[Completion], None]
@@ -146,6 +173,8 @@ class Director:
         self._bodyless = Profile(policy.ctx, policy.name, least_loaded({}))
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count(1)
+        self._models: set[str] = set()
+        self._token_counters: dict[tuple[str, str, str], Any] = {}
         # Called once per request that was routed and followed, when it ends. The hook point
         # for request metrics (model, endpoint, status, duration). Hooks must not raise.
         self.completion_hooks: list[CompletionHook] = []
@@ -360,12 +389,17 @@ class Director:
         return self.inflight.endpoint_of(request_id)
 
     def response_started(
-        self, request_id: str, status: int | None = None, served: str | None = None
+        self,
+        request_id: str,
+        status: int | None = None,
+        served: str | None = None,
+        content_type: str | None = None,
     ) -> bool:
         """Response headers arrived. Returns True when Envoy served another endpoint."""
         live = self._live.get(request_id)
         if live is None:
             return False
+        live.reader = UsageReader(content_type)
         moved = False
         if served is not None and served != self.inflight.endpoint_of(request_id):
             self.inflight.moved(request_id, served)
@@ -376,6 +410,17 @@ class Director:
             live.decision.response_status = status
         return moved
 
+    def response_chunk(self, request_id: str, data: bytes, end: bool) -> None:
+        """A response body chunk went to the client (already answered: never held here).
+        `end`: it was the last one (the response then ends)."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        if live.reader is not None:
+            live.reader.feed(data)
+        if end:
+            self.response_ended(request_id)
+
     def response_ended(self, request_id: str, reset: bool = False) -> None:
         """The response ended (end of stream, trailers) or the exchange was reset."""
         live = self._live.pop(request_id, None)
@@ -383,6 +428,15 @@ class Director:
             return
         endpoint = self.inflight.endpoint_of(request_id) or live.decision.endpoints[0]
         self.inflight.finished(request_id)
+        usage: Usage | None = None
+        body_bytes: int | None = None
+        reader = live.reader
+        if reader is not None:
+            usage, outcome = reader.finish()
+            _USAGE_COUNTERS[outcome].inc()
+            body_bytes = reader.body_bytes if reader.chunks else None
+            if usage is not None:
+                self._count_tokens(live.decision.model, endpoint, usage)
         if reset and live.status is None:
             live.decision.notes.append("reset_before_response")
         if self.completion_hooks:
@@ -397,8 +451,31 @@ class Director:
                     duration_s=time.perf_counter() - live.started,
                     request_bytes=live.request_bytes,
                     reset=reset,
+                    response_bytes=body_bytes,
+                    input_tokens=usage.prompt_tokens if usage else None,
+                    output_tokens=usage.completion_tokens if usage else None,
+                    cached_tokens=usage.cached_tokens if usage else None,
                 )
             )
+
+    def _count_tokens(self, model: str | None, endpoint: str, usage: Usage) -> None:
+        m = model or ""
+        if m not in self._models:
+            if len(self._models) >= _MAX_MODELS:
+                m = _OTHER_MODEL
+            else:
+                self._models.add(m)
+        for kind, n in (
+            ("input", usage.prompt_tokens),
+            ("output", usage.completion_tokens),
+            ("cached", usage.cached_tokens),
+        ):
+            if n:
+                key = (m, endpoint, kind)
+                c = self._token_counters.get(key)
+                if c is None:
+                    c = self._token_counters[key] = TOKENS.labels(*key)
+                c.inc(n)
 
     def __len__(self) -> int:
         """Requests in flight (followed)."""
