@@ -18,6 +18,7 @@ OpenAI error shape (`scorer.errors`).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -36,6 +37,7 @@ from scorer.policy.metrics import observe_decision
 from scorer.policy.profile import Profile
 from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
+from scorer.pool.prefill import PrefillModel
 from scorer.pool.workers import Pool
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 from scorer.usage import OUTCOMES as USAGE_OUTCOMES
@@ -119,8 +121,15 @@ class _Live:
     decision: Decision
     started: float  # perf_counter at the request headers
     request_bytes: int | None
+    routed_at: float = 0.0  # director clock at the decision
+    uncached_tokens: float = 0.0  # prompt tokens the decision expected to prefill
+    stream: bool = False  # the request asked for a streamed response
+    block_size: int = 16
     status: int | None = None
     reader: UsageReader | None = None  # set when the response headers arrive
+    prefill_over: bool = False
+    estimated: bool = False  # a prefill end estimate is scheduled
+    bodies: bool = False  # its response body chunks reach the director
 
 
 USAGE = Counter(
@@ -174,6 +183,11 @@ class Director:
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count(1)
         self._models: set[str] = set()
+        # Prefill end of requests the response will not tell about in time (non-streaming,
+        # or streams whose body Envoy does not send): (deadline, request id), a heap.
+        self.prefill = PrefillModel()
+        self.clock: Callable[[], float] = time.perf_counter
+        self._prefill_due: list[tuple[float, str]] = []
         self._token_counters: dict[tuple[str, str, str], Any] = {}
         # Called once per request that was routed and followed, when it ends. The hook point
         # for request metrics (model, endpoint, status, duration). Hooks must not raise.
@@ -280,6 +294,8 @@ class Director:
         )
 
     def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
+        if self._prefill_due:
+            self.expire_prefill()
         t_dec = time.perf_counter()
         rng = self.policy.ctx.rng
         state = rng.getstate() if request.dry_run else None
@@ -337,7 +353,16 @@ class Director:
             prefill = max(total - d.matched_tokens / bs, 0.0)
             rid = request.request_id
             self.inflight.routed(rid, d.endpoints[0], request.prompt_tokens, prefill, total)
-            self._live[rid] = _Live(d, request.started, size)
+            live = _Live(d, request.started, size, self.clock(), prefill * bs, block_size=bs)
+            self._live[rid] = live
+            body = request.body
+            if body is not None:
+                # Requests with a body get an estimated prefill end; the response ends it
+                # earlier when it can (first body chunk of a stream, headers otherwise).
+                live.stream = body.get("stream") is True
+                live.estimated = True
+                due = live.routed_at + self.prefill.estimate(live.uncached_tokens)
+                heapq.heappush(self._prefill_due, (due, rid))
         elif self.completion_hooks:
             routed = bool(d.endpoints)
             self._complete(
@@ -373,6 +398,24 @@ class Director:
         req = RoutingRequest(request_id=f"dry-{next(self._ids)}", path="/debug/score")
         return await self.request_received(req, _json_encoder.encode(doc), dry_run=True)
 
+    def expire_prefill(self) -> int:
+        """Move requests whose estimated prefill end has passed to decode. Returns how
+        many. Runs before each decision (a heap peek when nothing is due)."""
+        due = self._prefill_due
+        now = self.clock()
+        n = 0
+        while due and due[0][0] <= now:
+            _, rid = heapq.heappop(due)
+            live = self._live.get(rid)
+            if live is not None and not live.prefill_over:
+                self._prefill_over(rid, live)
+                n += 1
+        return n
+
+    def _prefill_over(self, request_id: str, live: _Live) -> None:
+        live.prefill_over = True
+        self.inflight.first_byte(request_id)
+
     @staticmethod
     def refusal_body(d: Decision) -> bytes:
         """The OpenAI error body of a refused decision."""
@@ -394,20 +437,31 @@ class Director:
         status: int | None = None,
         served: str | None = None,
         content_type: str | None = None,
+        bodies: bool = False,
     ) -> bool:
-        """Response headers arrived. Returns True when Envoy served another endpoint."""
+        """Response headers arrived. Returns True when Envoy served another endpoint.
+
+        `bodies`: the response body chunks will reach the director (response_chunk).
+        """
         live = self._live.get(request_id)
         if live is None:
             return False
         live.reader = UsageReader(content_type)
+        live.bodies = bodies
         moved = False
         if served is not None and served != self.inflight.endpoint_of(request_id):
             self.inflight.moved(request_id, served)
             moved = True
-        self.inflight.first_byte(request_id)
         if status is not None:
             live.status = status
             live.decision.response_status = status
+        # A stream's headers come before its prefill ends (vLLM): its first body chunk, or
+        # the estimate when the body does not reach us, ends prefill. Other responses'
+        # headers come after the generation (vLLM, non-streaming): prefill is over.
+        streaming = live.reader.streaming or live.stream
+        wait = streaming and (bodies or live.estimated)
+        if not live.prefill_over and not wait:
+            self._prefill_over(request_id, live)
         return moved
 
     def response_chunk(self, request_id: str, data: bytes, end: bool) -> None:
@@ -416,8 +470,18 @@ class Director:
         live = self._live.get(request_id)
         if live is None:
             return
-        if live.reader is not None:
-            live.reader.feed(data)
+        reader = live.reader
+        if reader is not None:
+            reader.feed(data)
+            if reader.streaming:
+                if not live.prefill_over:
+                    # The first token: prefill is over; it also teaches the prefill model.
+                    self.prefill.observe(live.uncached_tokens, self.clock() - live.routed_at)
+                    self._prefill_over(request_id, live)
+                # Decode load grows with generated tokens (~one per SSE event).
+                events = data.count(b"data:")
+                if events:
+                    self.inflight.generated(request_id, events / live.block_size)
         if end:
             self.response_ended(request_id)
 
