@@ -230,6 +230,15 @@ class Scorer:
             [sys.executable, "-m", "scorer.cli", "serve", "--config", str(self.config_path)],
         )
         proc = self.proc
+        # Its bind sockets (events) are on fixed ports: a scorer that failed to start must
+        # not outlive this call holding them.
+        try:
+            self._wait_started(proc)
+        except BaseException:
+            self.stop(procs)
+            raise
+
+    def _wait_started(self, proc: Proc) -> None:
         ports = wait_until(lambda: _serving_ports(proc), 120.0, "kv-scorer start", proc)
         self.extproc_port, self.admin_port = ports
         wait_until(
@@ -238,6 +247,13 @@ class Scorer:
             "kv-scorer /readyz",
             proc,
         )
+
+        # Every event socket bound (a leftover listener on the port would starve it).
+        def bound() -> bool:
+            streams = [w.get("stream") or {} for w in self.index()["workers"].values()]
+            return all(s.get("bind_error") is None for s in streams)
+
+        wait_until(bound, 30.0, "kv-scorer's event sockets bound", proc)
 
     @property
     def admin(self) -> str:
@@ -338,3 +354,28 @@ def peer_argv(name: str, python: Path, workers: list[Worker], port: int) -> list
             "warning",
         ]
     raise ValueError(name)
+
+
+def peer_ready(base: str, workers: list[Worker]) -> bool:
+    """True once the peer router has registered every worker as healthy.
+
+    Both routers answer /health before their (asynchronous) worker registration is done
+    (a request then gets 503 `no_available_workers`). sglang-router 0.3.2 and vllm-router
+    0.1.17 both list workers at GET /workers (`workers[].url`, `is_healthy`); vllm-router
+    also at GET /list_workers (`urls`) — read off the running routers."""
+    want = {w.url for w in workers}
+    status, body = http("GET", base + "/workers", timeout=2)
+    if status == 200:
+        try:
+            doc = json.loads(body)
+            got = {x["url"] for x in doc.get("workers", []) if x.get("is_healthy", True)}
+            return want <= got
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+    status, body = http("GET", base + "/list_workers", timeout=2)
+    if status == 200:
+        try:
+            return want <= set(json.loads(body).get("urls", []))
+        except (ValueError, TypeError, AttributeError):
+            return False
+    return False

@@ -111,11 +111,14 @@ class Procs:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
         self._files: list[IO[bytes]] = []
+        self._names: dict[str, int] = {}
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
-        f = log.open("ab")
+        # A fresh log per start: readers parse it (e.g. the scorer's ports line).
+        n = self._names[name] = self._names.get(name, 0) + 1
+        log = self.log_dir / (f"{name}.log" if n == 1 else f"{name}.{n}.log")
+        f = log.open("wb")
         self._files.append(f)
         full = dict(os.environ)
         full["PYTHONUNBUFFERED"] = "1"

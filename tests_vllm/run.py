@@ -48,6 +48,7 @@ from tests_vllm.fleet import (
     VllmSettings,
     Worker,
     peer_argv,
+    peer_ready,
 )
 from tests_vllm.load import Result, run_conversations, send
 from tests_vllm.procs import Procs, TierError, free_port, http, post_json, wait_until
@@ -131,8 +132,8 @@ class Tier:
     def start_scorer(self, policy: str) -> Scorer:
         self.stop_scorer()
         sc = Scorer(self.out, self.workers, self.model_dir, policy)
+        self.scorer = sc  # before start: stop_scorer() then ends it even if start fails
         sc.start(self.procs)
-        self.scorer = sc
         cfg = render_envoy_config(listener_port=0, extproc_port=sc.extproc_port, admin_port=0)
         self.envoy = EnvoyProcess(cfg, start_timeout=60.0).start()
         self.log(f"kv-scorer ({policy}) admin :{sc.admin_port}, Envoy :{self.envoy.listener_port}")
@@ -197,6 +198,7 @@ class Tier:
 
         try:
             wait_until(first, 120.0, "the first KV event at events listen", listen, 1.0)
+            probes_sent = len(sent)
             for c in convs:
                 for t in range(2):
                     sent.append(asyncio.run(go(c.body(t, 2, False))))
@@ -226,9 +228,10 @@ class Tier:
         firsts = {
             tuple(e["token_ids"][:BLOCK_SIZE]) for e in stored if e.get("parent_block_hash") is None
         }
+        # Requests sent once the listener was receiving (not the probes before that).
         fed = {
             tuple(r.prompt_token_ids[:BLOCK_SIZE])
-            for r in sent
+            for r in sent[probes_sent:]
             if len(r.prompt_token_ids) >= BLOCK_SIZE
         }
         self.results["phases"]["events"] = {
@@ -463,7 +466,7 @@ class Tier:
                     )
                     base = f"http://127.0.0.1:{port}"
                     wait_until(
-                        lambda b=base: http("GET", b + "/health", timeout=2)[0] == 200,
+                        lambda b=base: peer_ready(b, self.workers),
                         120.0,
                         f"{name} /health",
                         peer,
@@ -733,8 +736,8 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-words", type=int, default=130)
-    p.add_argument("--user-words", type=int, default=70)
+    p.add_argument("--system-words", type=int, default=80)
+    p.add_argument("--user-words", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--orders", type=int, default=3)
