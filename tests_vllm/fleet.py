@@ -268,7 +268,12 @@ class Scorer:
         return dict(get_json(self.admin + "/debug/index"))
 
     def blocks(self) -> dict[str, int]:
-        return {ep: int(w["blocks"]) for ep, w in self.index()["workers"].items()}
+        """Indexed blocks per worker (all media; /debug/index gives them by medium)."""
+        out = {}
+        for ep, w in self.index()["workers"].items():
+            b = w["blocks"]
+            out[ep] = int(sum(b.values())) if isinstance(b, dict) else int(b)
+        return out
 
     def last_decision(self) -> dict[str, Any] | None:
         got = get_json(self.admin + "/debug/decisions?limit=1")

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,13 @@ class Tier:
     # ---- fleet -------------------------------------------------------------------------
 
     def build_model(self) -> None:
+        # Rebuilt when make_model.py changes (importing torch alone takes a minute here).
+        script = ROOT / "tests_vllm" / "make_model.py"
+        stamp = hashlib.sha256(script.read_bytes()).hexdigest()
+        stamp_file = self.model_dir / "make_model.sha256"
+        if stamp_file.exists() and stamp_file.read_text() == stamp:
+            self.results["model"] = {"model_dir": str(self.model_dir), "reused": True}
+            return
         self.log(f"building the tiny model in {self.model_dir}")
         proc = subprocess.run(
             [
@@ -99,6 +108,7 @@ class Tier:
         if proc.returncode != 0:
             raise TierError(f"make_model failed:\n{proc.stderr[-3000:]}")
         self.results["model"] = json.loads(proc.stdout.strip().splitlines()[-1])
+        stamp_file.write_text(stamp)
 
     def start_workers(self) -> None:
         s = VllmSettings(
@@ -670,8 +680,10 @@ class Tier:
                     self.reset_caches()
                 try:
                     getattr(self, f"phase_{ph}")()
-                except (TierError, OSError, KeyError, ValueError) as e:
+                except Exception as e:  # a phase's failure is a result; the next one runs
+                    tb = traceback.format_exc(limit=4)
                     self.check(f"{ph}: phase ran", False, f"{type(e).__name__}: {e}"[-1500:])
+                    self.results["phases"].setdefault(ph, {})["traceback"] = tb
         except KeyboardInterrupt:
             self.check("interrupted", False, "Ctrl-C")
         except TierError as e:
