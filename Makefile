@@ -4,13 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm lint typecheck proto bench clean
+.PHONY: demo test test-vllm fuzz lint typecheck proto bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# The runtime (scorer) and, as its own distribution, the tooling (tools/: sim, bench, demo).
+	$(PY) -m pip install --quiet -e '.[dev]' -e ./tools
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,13 +20,18 @@ demo: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# Property tests only, exploring randomly with 10x the examples (tests/conftest.py profiles;
+# `make test` runs them derandomized). Keep any counterexample as an @example in its test.
+fuzz: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m hypothesis --hypothesis-profile=fuzz --hypothesis-show-statistics tests
+
 # Opt-in: real vLLM (CPU) workers in their own .venv-vllm; see README "Real vLLM tier".
 test-vllm: $(STAMP)
 	bash tools/test-vllm.sh $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scorer tests bench tests_vllm
-	$(VENV)/bin/ruff format --check scorer tests bench tests_vllm
+	$(VENV)/bin/ruff check scorer tools tests bench tests_vllm
+	$(VENV)/bin/ruff format --check scorer tools tests bench tests_vllm
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

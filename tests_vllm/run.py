@@ -43,7 +43,8 @@ from typing import Any
 
 import aiohttp
 
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from kvscorer_tools.envoyrun import EnvoyProcess
+from scorer.envoyproc import render_envoy_config
 from tests_vllm.fleet import (
     BLOCK_SIZE,
     Scorer,

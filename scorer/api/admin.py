@@ -8,6 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from scorer.decisions import DecisionLog
+from scorer.errors import json_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Route = tuple[str, str, Handler]
@@ -27,6 +28,8 @@ class AdminServer:
         self.port = port
         self.decisions = decisions
         self.ready = False
+        # Why /readyz answers 503 (the start-up gate's reason, or "shutting down").
+        self.not_ready_reason = "starting"
         self.app = web.Application()
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/healthz", self.healthz)
@@ -63,7 +66,7 @@ class AdminServer:
     async def readyz(self, request: web.Request) -> web.Response:
         if self.ready:
             return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready\n")
+        return web.Response(status=503, text=f"not ready: {self.not_ready_reason}\n")
 
     async def debug_decisions(self, request: web.Request) -> web.Response:
         """`?limit=&model=&endpoint=&reason=`: newest first."""
@@ -71,7 +74,7 @@ class AdminServer:
         try:
             limit = int(q.get("limit", "100"))
         except ValueError:
-            return web.json_response({"error": "limit must be an integer"}, status=400)
+            return json_error(400, "limit must be an integer", param="limit")
         items = self.decisions.query(
             limit=max(0, min(limit, 10_000)),
             model=q.get("model"),

@@ -1,8 +1,16 @@
 """gRPC health (grpc.health.v1) with the inference extension's service names.
 
-"" and "readiness" follow readiness (NOT_SERVING from the first moment of a shutdown),
-"liveness" stays SERVING until the process exits, and the ext_proc service name follows
+"", "readiness" and "inference-extension" follow readiness (NOT_SERVING until the
+start-up gate of scorer/api/readiness.py opens, and from the first moment of a shutdown);
+"liveness" stays SERVING until the process exits; the ext_proc service name follows
 readiness so Envoy's gRPC health check on the ext_proc cluster drains us too.
+
+Names probed by the reference deployments: "inference-extension" (liveness AND readiness
+with one replica) and "liveness"/"readiness" (several replicas) on port 9003 —
+gateway-api-inference-extension v1.5.0 `config/charts/epplib/templates/_deployment.yaml`,
+llm-d/llm-d-router `config/charts/routerlib/templates/_deployment.yaml`; the ext_proc
+service name — llm-d-router `deploy/components/inference-gateway/deployment.yaml`.
+The reference answers unknown names SERVICE_UNKNOWN; grpcio's servicer answers NOT_FOUND.
 """
 
 from __future__ import annotations
@@ -12,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 EXTPROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-READINESS_NAMES = ("", "readiness", EXTPROC_SERVICE)
+INFERENCE_EXTENSION = "inference-extension"
+READINESS_NAMES = ("", "readiness", INFERENCE_EXTENSION, EXTPROC_SERVICE)
 LIVENESS_NAMES = ("liveness",)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

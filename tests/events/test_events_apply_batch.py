@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypo import scaled
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scorer.blocks import BlockHasher
@@ -65,7 +66,7 @@ def _state(idx: BlockIndex) -> Any:
     )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(200))
 @given(st.lists(_op, max_size=14))
 def test_batch_equals_one_by_one(ops: list[tuple[Any, ...]]) -> None:
     events = _events(ops)

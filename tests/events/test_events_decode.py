@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypo import scaled
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scorer.blocks import BlockHasher
@@ -165,13 +166,13 @@ def _check(frames: list[bytes]) -> None:
     ap.apply("w", msg.batch)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(150))
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
 def test_fuzz_random_frames(frames: list[bytes]) -> None:
     _check(frames)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(250))
 @given(
     st.sampled_from(range(len(_GOOD))),
     st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
@@ -207,7 +208,7 @@ _event = st.one_of(
 )  # fmt: skip
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(150))
 @given(st.floats(allow_nan=False) | _any, st.lists(_event, max_size=4), _any)
 def test_fuzz_structured_batches(ts: Any, events: list[Any], rank: Any) -> None:
     payload = msgspec.msgpack.encode([ts, events, rank])
@@ -264,7 +265,7 @@ def test_fast_path_falls_back_on_odd_shapes() -> None:
     assert got == EventBatch(2.0, [BlockRemoved([-5]), AllBlocksCleared()], 1)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(200))
 @given(st.floats(allow_nan=False) | _any, st.lists(_event, max_size=4), _any)
 def test_fuzz_fast_path_agrees(ts: Any, events: list[Any], rank: Any) -> None:
     _same_as_generic(msgspec.msgpack.encode([ts, events, rank]))
@@ -290,7 +291,7 @@ def _named(fields: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(_NAMES, fields, strict=True))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(200))
 @given(
     st.lists(
         st.one_of(

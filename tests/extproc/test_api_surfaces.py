@@ -11,7 +11,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
 
-NAMES = ["", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"]
+NAMES = [
+    "",
+    "liveness",
+    "readiness",
+    "inference-extension",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+]
 
 
 async def test_score_rpc_ranks_endpoints_with_reasons(harness) -> None:

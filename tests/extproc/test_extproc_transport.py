@@ -35,8 +35,10 @@ from test_extproc_contract import *  # noqa: F403  (re-run the contract on grpci
 from test_extproc_contract import completion, read
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
-from scorer.extproc import transport as T
 from scorer.extproc.transport import H2GrpcServer, H2Stream
+from scorer.extproc.transport import frames as T
+from scorer.extproc.transport import hpack_codec as HP
+from scorer.extproc.transport import limits as L
 
 EOF_ = grpc.aio.EOF
 
@@ -316,8 +318,8 @@ async def test_hpack_cache_follows_dynamic_table_changes(bare) -> None:
             data = [p for t, _, s, p in fs if t == T.DATA and s == sid]
             got.append(data[0][5:].decode())
         assert got == ["v1", "v1", "v2", "v2", "v1"]
-        assert T.table_neutral(c.enc.encode([(":method", "POST"), ("x-k", "v1")]))
-        assert not T.table_neutral(c.enc.encode([("x-new", "1")]))
+        assert HP.table_neutral(c.enc.encode([(":method", "POST"), ("x-k", "v1")]))
+        assert not HP.table_neutral(c.enc.encode([("x-new", "1")]))
     finally:
         c.close()
 
@@ -343,10 +345,10 @@ async def test_bad_preface_closes_the_connection(bare) -> None:
 
 
 def test_status_trailers_encoding() -> None:
-    assert T.status_trailers(0) == b"\x00\x0bgrpc-status\x010"
-    block = T.status_trailers(14, "a%b\n")
+    assert HP.status_trailers(0) == b"\x00\x0bgrpc-status\x010"
+    block = HP.status_trailers(14, "a%b\n")
     assert block.endswith(b"\x0cgrpc-message\x08a%25b%0A")
-    assert T._hpack_int(1337, 5, 0) == bytes([31, 154, 10])  # RFC 7541 C.1.2
+    assert HP.hpack_int(1337, 5, 0) == bytes([31, 154, 10])  # RFC 7541 C.1.2
 
 
 async def test_reset_after_routing_counts_as_routed(h2harness) -> None:
@@ -460,7 +462,7 @@ async def test_max_concurrent_streams_is_advertised_and_enforced(server_with) ->
         fs = await asyncio.to_thread(c.frames, lambda t, fl, sid, p: t == T.SETTINGS)
         settings = dict(struct.iter_unpack(">HI", fs[-1][3]))
         assert settings[T.S_MAX_CONCURRENT_STREAMS] == 2
-        assert settings[T.S_MAX_HEADER_LIST_SIZE] == T.MAX_HEADER_LIST == 64 * 1024
+        assert settings[T.S_MAX_HEADER_LIST_SIZE] == L.MAX_HEADER_LIST == 64 * 1024
         opened = b"".join(c.headers(sid, []) + c.message(sid, b"hang") for sid in (1, 3))
         third = c.headers(5, []) + c.message(5, b"x", end=True)
         await asyncio.to_thread(c.send, opened + third)
@@ -481,7 +483,7 @@ async def test_max_concurrent_streams_is_advertised_and_enforced(server_with) ->
 def _big_literal_then_indexed(times: int) -> bytes:
     """A small HPACK block that decodes large: one 4,000-byte header added to the dynamic
     table (RFC 7541 §6.2.1), then indexed `times` more times (index 62, §2.3.3)."""
-    literal = b"\x40" + T._hpack_int(1, 7, 0) + b"x" + T._hpack_int(4000, 7, 0) + b"a" * 4000
+    literal = b"\x40" + HP.hpack_int(1, 7, 0) + b"x" + HP.hpack_int(4000, 7, 0) + b"a" * 4000
     return literal + b"\xbe" * times
 
 
@@ -495,7 +497,7 @@ async def test_header_block_bound_is_a_connection_error(bare, shape: str) -> Non
     c = RawClient(port)
     try:
         if shape == "one_headers_frame":
-            data = T.frame(T.HEADERS, T.END_HEADERS, 1, b"\x88" * (T.MAX_HEADER_LIST + 1))
+            data = T.frame(T.HEADERS, T.END_HEADERS, 1, b"\x88" * (L.MAX_HEADER_LIST + 1))
         elif shape == "continuation_flood":
             # No END_HEADERS: the block stays open; 16 KiB pieces until one more would
             # pass 64 KiB. Nothing is sent after the frame that crosses the bound.

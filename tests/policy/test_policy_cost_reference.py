@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import pytest
+from hypo import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvpolicy_helpers import endpoint, hold, keys, make, request
@@ -44,7 +45,7 @@ options_st = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=scaled(60))
 @given(workers=st.lists(worker_st, min_size=1, max_size=6), options=options_st)
 def test_decide_rows_equal_the_reference_functions(
     workers: list[dict[str, Any]], options: dict[str, Any]

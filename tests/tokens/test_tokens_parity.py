@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypo import scaled
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokens_helpers import HEADERS, QWEN3, SNIPPETS, TOOLS, hf, make_tokens, random_conversation
 
@@ -285,7 +286,7 @@ _CONTENT = st.lists(
 ).map("".join)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(60))
 @given(
     st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _CONTENT), min_size=1, max_size=6),
     st.booleans(),

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypo import scaled
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 from tokens_helpers import QWEN3, local
@@ -32,7 +33,7 @@ PIECES = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(400))
 @given(st.lists(PIECES, max_size=16))
 def test_segmentwise_equals_whole(pieces: list[str]) -> None:
     text = "".join(pieces)

@@ -1,0 +1,275 @@
+"""One gRPC call on an HTTP/2 stream: length-prefixed messages in and out, the status in
+trailers, and the servicer-facing context (`StreamContext`, `AbortStream`, `unary`).
+
+gRPC over HTTP/2 (grpc/grpc doc/PROTOCOL-HTTP2.md): `:status 200`,
+`content-type: application/grpc`, length-prefixed messages (1-byte compressed flag,
+4-byte big-endian length), trailers `grpc-status` / `grpc-message` (percent-encoded),
+Trailers-Only responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+import grpc
+
+from scorer.extproc.transport.frames import (
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HDR,
+    HEADERS,
+    NO_ERROR,
+    frame,
+    rst_stream,
+)
+from scorer.extproc.transport.hpack_codec import RESPONSE_HEADERS, status_trailers
+from scorer.extproc.transport.limits import RECV_WINDOW
+
+if TYPE_CHECKING:
+    from scorer.extproc.transport.connection import H2Connection
+
+EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # same sentinel as grpc.aio's read()
+MSG = struct.Struct(">BI")  # gRPC message prefix: compressed flag, length
+
+
+class AbortStream(Exception):
+    """Raised by `H2Stream.abort`: end the RPC with a non-OK status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class StreamContext(Protocol):
+    """What the ext_proc servicer uses of a call: grpc.aio's context or an H2Stream."""
+
+    async def read(self) -> Any: ...
+
+    async def write(self, message: Any) -> None: ...
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn: ...
+
+    def cancelled(self) -> bool: ...
+
+
+# A stream handler: `await handler(None, stream)`, same shape as a grpc.aio bidi method.
+Handler = Callable[[Any, StreamContext], Awaitable[None]]
+
+
+def unary(fn: Callable[[Any, Any], Awaitable[Any]]) -> Handler:
+    """A unary method `await fn(request, context) -> response` as a stream handler (the
+    grpc.aio servicer signature, so scorer.v1.Scorer/Score and health Check run as is)."""
+
+    async def handler(_: Any, stream: StreamContext) -> None:
+        request = await stream.read()
+        if request is EOF:
+            await stream.abort(grpc.StatusCode.INTERNAL, "unary call without a request")
+        await stream.write(await fn(request, stream))
+
+    return handler
+
+
+class H2Stream:
+    """One gRPC call: the servicer's `context` (read / write / abort / cancelled)."""
+
+    __slots__ = (
+        "_buf",
+        "_cancelled",
+        "_credit",
+        "_deserialize",
+        "_done",
+        "_half_closed",
+        "_headers_sent",
+        "_held",
+        "_msgs",
+        "_sizes",
+        "_waiter",
+        "conn",
+        "handler",
+        "headers",
+        "path",
+        "send_window",
+        "sid",
+        "task",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        conn: H2Connection,
+        sid: int,
+        path: str,
+        headers: list[tuple[str, str]],
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.path = path
+        self.headers = headers
+        self.send_window = conn.peer_initial_window
+        self.task: asyncio.Task[None] | None = None
+        self._msgs: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._buf = bytearray()
+        self._half_closed = False  # the peer sent END_STREAM
+        self._headers_sent = False
+        self._done = False  # we sent our trailers or reset the stream
+        self._cancelled = False
+        self._credit = 0  # received bytes not yet returned with WINDOW_UPDATE
+        # Connection window held by this stream: message bytes buffered and not read yet.
+        # `_sizes` has the wire size of each queued message (None once the stream is
+        # dropped and its bytes were returned to the connection window).
+        self._held = 0
+        self._sizes: deque[int] | None = deque()
+        self._deserialize = deserialize
+        self.handler: Handler | None = None  # set until the handler task starts
+
+    # ------------------------------------------------------------ servicer side
+
+    async def read(self) -> Any:
+        """The next request message, or EOF once the peer half-closed."""
+        while not self._msgs:
+            if self._cancelled:
+                raise asyncio.CancelledError()
+            self._waiter = self.conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        m = self._msgs.popleft()
+        sizes = self._sizes
+        if sizes and m is not EOF:
+            n = sizes.popleft()
+            self._held -= n
+            self.conn.conn_credit_add(n)
+        if self._credit >= RECV_WINDOW // 2:
+            # Return stream credit only for data the handler has taken (back-pressure).
+            self.conn.stream_credit(self.sid, self._credit)
+            self._credit = 0
+        return m
+
+    async def write(self, message: Any) -> None:
+        """Send one response message (a protobuf, or already serialized bytes)."""
+        data = message if isinstance(message, bytes) else message.SerializeToString()
+        if self._done:
+            raise asyncio.CancelledError()
+        conn = self.conn
+        if not self._headers_sent:
+            self._headers_sent = True
+            conn.reset_balance += 1  # an answered stream (rapid reset accounting)
+            conn.send(frame(HEADERS, END_HEADERS, self.sid, RESPONSE_HEADERS))
+        n = len(data) + 5
+        if (
+            n <= conn.peer_max_frame
+            and n <= conn.send_window
+            and n <= self.send_window
+            and conn.write_paused is None
+        ):
+            # Fast path (every ext_proc answer but large bodies): one DATA frame, no waits.
+            conn.send(HDR.pack((n << 8) | DATA, 0, self.sid) + MSG.pack(0, n - 5) + data)
+            conn.send_window -= n
+            self.send_window -= n
+            return
+        await conn.send_data(self, MSG.pack(0, len(data)) + data)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        """End the call with `code` (like grpc.aio's context.abort)."""
+        raise AbortStream(code, details)
+
+    def cancelled(self) -> bool:
+        """True when the peer reset the stream or the connection was lost."""
+        return self._cancelled
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        """Request headers other than pseudo-headers (grpc.aio API shape)."""
+        return [(k, v) for k, v in self.headers if not k.startswith(":")]
+
+    # ------------------------------------------------------------ connection side
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def on_data(self, data: memoryview | bytes, flow_len: int, end: bool) -> str | None:
+        """Buffer DATA; queue whole messages. Returns an error text for a bad message."""
+        self._credit += flow_len
+        if data:
+            self._held += len(data)
+            buf = self._buf
+            buf += data
+            while len(buf) >= 5:
+                compressed, n = MSG.unpack_from(buf)
+                if compressed:
+                    return "compressed messages are not supported"
+                if n > self.conn.server.max_message:
+                    return f"message larger than {self.conn.server.max_message} bytes"
+                if len(buf) < 5 + n:
+                    break
+                raw = bytes(buf[5 : 5 + n])
+                del buf[: 5 + n]
+                self._msgs.append(self._deserialize(raw) if self._deserialize else raw)
+                if self._sizes is not None:
+                    self._sizes.append(5 + n)
+        if end:
+            self._half_closed = True
+            if self._buf:
+                return "stream ended inside a message"
+            self._msgs.append(EOF)
+        if self._msgs:
+            if self.handler is not None:
+                self.task = self.conn.loop.create_task(self.conn.server.run(self, self.handler))
+                self.handler = None
+            else:
+                self._wake()
+        return None
+
+    def on_reset(self) -> None:
+        """The peer reset the stream (or the connection is gone): cancel the handler."""
+        if self._done:
+            return
+        self._done = True  # nothing more can be sent
+        if self._half_closed:
+            # The request side had ended (EOF queued): Envoy resets right after its
+            # END_STREAM once the HTTP exchange is over. Let the handler see EOF and end
+            # normally instead of counting a finished request as cancelled.
+            return
+        self.cancel_handler()
+
+    def cancel_handler(self) -> None:
+        """Stop the handler: pending and later reads raise CancelledError."""
+        self._cancelled = True
+        self._wake()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def finish(self, code: int, message: str | None = None) -> None:
+        """Send trailers (or a Trailers-Only response) and close our side."""
+        if self._done:
+            return
+        self._done = True
+        conn = self.conn
+        block = status_trailers(code, message)
+        if not self._headers_sent:
+            block = RESPONSE_HEADERS + block
+            conn.reset_balance += 1
+        conn.send_headers(self.sid, block, END_STREAM)
+        if not self._half_closed:
+            # The peer is still sending (e.g. track_responses off): stop it without error
+            # (RFC 9113 §8.1).
+            conn.send(rst_stream(self.sid, NO_ERROR))
+        conn.drop(self)
+
+    def release(self) -> None:
+        """The stream left the connection: return what its unread data holds of the
+        connection window (read() returns nothing more from now on)."""
+        if self._sizes is not None:
+            self._sizes = None
+            if self._held:
+                self.conn.conn_credit_add(self._held)
+                self._held = 0

@@ -1,0 +1,265 @@
+"""BlockIndex: which worker holds which prompt blocks, on which medium (see the package
+docstring for the layout)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from operator import or_
+from typing import Any
+
+from prometheus_client import Gauge
+
+from scorer.config import IndexConfig
+from scorer.index import match as _match
+from scorer.index.bounds import over_bound, take_oldest
+from scorer.index.masks import MaskCache
+from scorer.index.match import Match
+from scorer.index.slots import MEDIA, Slot, SlotTable
+from scorer.index.speculative import SpeculativeEntries
+
+INDEX_ENTRIES = Gauge(
+    "kv_scorer_index_entries", "Stored (block, worker) entries in the block index", ["medium"]
+)
+# The entries gauge is read at scrape time from the live indexes (no per-event metric
+# update on the ingest path).
+_LIVE: weakref.WeakSet[BlockIndex] = weakref.WeakSet()
+
+
+def _entries_of(medium: str) -> Callable[[], float]:
+    return lambda: float(sum(ix.entries(medium) for ix in list(_LIVE)))
+
+
+for _m in MEDIA:
+    INDEX_ENTRIES.labels(_m).set_function(_entries_of(_m))
+
+
+class BlockIndex:
+    """Key → workers (medium, dp_rank, expiry), updated from KV events, read by policies."""
+
+    def __init__(self, config: IndexConfig | None = None) -> None:
+        self.config = config or IndexConfig.model_validate({})
+        w = self.config.medium_weights
+        self._weights = (
+            float(w.get("GPU", 1.0)),
+            float(w.get("CPU", 0.3)),
+            float(w.get("DISK", 0.05)),
+        )
+        self._wg = self._weights[0]
+        self._media: dict[str, dict[int, int]] = {m: {} for m in MEDIA}
+        self._gpu = self._media["GPU"]
+        self._cpu = self._media["CPU"]
+        self._disk = self._media["DISK"]
+        self._table = SlotTable()
+        self._slots = self._table.slots
+        self._bit_obj = self._table.bit_obj  # grows in place with the table
+        self._specs = SpeculativeEntries()
+        self._spec = self._specs.masks
+        self._masks = MaskCache()
+        self.max_blocks = self.config.max_blocks_per_worker
+        self.clock = time.monotonic
+        _LIVE.add(self)
+
+    # ---- slots -------------------------------------------------------------------------
+
+    def _slot(self, endpoint: str, rank: int | None) -> Slot:
+        s = self._table.ensure(endpoint, rank)
+        bit = self._bit_obj[s.bit]
+        self._masks.setdefault(bit, bit)
+        return s
+
+    def endpoints(self) -> list[str]:
+        """Endpoints the index has seen (events or speculative inserts)."""
+        return list(self._table.ep_mask)
+
+    def lookup_engine(self, endpoint: str, rank: int | None, ekey: int) -> int | None:
+        """Our key for an engine block hash (`engine_key`) on one worker, or None."""
+        s = self._slots.get((endpoint, rank or 0))
+        return None if s is None else s.emap.get(ekey)
+
+    # ---- updates (from events) ---------------------------------------------------------
+
+    def add(
+        self,
+        endpoint: str,
+        rank: int | None,
+        ekeys: Sequence[int],
+        keys: Sequence[int],
+        medium: str = "GPU",
+    ) -> int:
+        """A worker stores these blocks (engine keys ↔ our keys). Returns new entries."""
+        s = self._slots.get((endpoint, rank or 0)) or self._slot(endpoint, rank)
+        d = self._media.get(medium)
+        if d is None:
+            d, medium = self._gpu, "GPU"
+        bit = self._bit_obj[s.bit]
+        emap = s.emap
+        emap.update(zip(ekeys, keys, strict=False))
+        # One C-level pass inserts the absent keys with the slot's shared bit object (a
+        # single-holder mask costs no memory of its own) and returns every key's mask.
+        before = len(d)
+        masks = list(map(d.setdefault, keys, itertools.repeat(bit)))
+        new = len(d) - before
+        if masks.count(bit) != len(masks):
+            # Some blocks are held by other workers too: add our bit to those masks.
+            canon = self._masks
+            for k, m in zip(keys, masks, strict=True):
+                if not m & bit:
+                    m |= bit
+                    # Equal masks share one int object (memory: one per block otherwise).
+                    d[k] = canon.get(m) or canon.canon(m)
+                    new += 1
+        if new:
+            s.counts[medium] += new
+        if s.spec:
+            self._specs.confirm(s, keys)
+        if len(emap) > self.max_blocks:
+            self._drop_keys(s, take_oldest(s, over_bound(s, self.max_blocks)))
+        return new
+
+    def remove(
+        self, endpoint: str, rank: int | None, ekeys: Sequence[int], medium: str = "GPU"
+    ) -> tuple[int, int]:
+        """A worker dropped these blocks from `medium`. Returns (removed, unknown)."""
+        s = self._slots.get((endpoint, rank or 0))
+        if s is None:
+            return 0, len(ekeys)
+        medium = medium if medium in self._media else "GPU"
+        d = self._media[medium]
+        bit = 1 << s.bit
+        emap = s.emap
+        canon = self._masks
+        others = [self._media[m] for m in MEDIA if m != medium and s.counts[m]]
+        removed = unknown = 0
+        for ek in ekeys:
+            k = emap.get(ek)
+            if k is None:
+                unknown += 1
+                continue
+            m = d.get(k, 0)
+            if m & bit:
+                m ^= bit
+                if m:
+                    d[k] = canon.get(m) or canon.canon(m)
+                else:
+                    del d[k]
+                removed += 1
+            if not any(o.get(k, 0) & bit for o in others):
+                del emap[ek]
+        if removed:
+            s.counts[medium] -= removed
+        return removed, unknown
+
+    def _drop_keys(self, s: Slot, keys: Sequence[int]) -> None:
+        bit = 1 << s.bit
+        canon = self._masks
+        for medium in MEDIA:
+            if not s.counts[medium]:
+                continue
+            d = self._media[medium]
+            n = 0
+            for k in keys:
+                m = d.get(k, 0)
+                if m & bit:
+                    m ^= bit
+                    if m:
+                        d[k] = canon.get(m) or canon.canon(m)
+                    else:
+                        del d[k]
+                    n += 1
+            s.counts[medium] -= n
+
+    def clear(self, endpoint: str, rank: int | None = None) -> None:
+        """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is None."""
+        for s in self._table.of(endpoint):
+            if rank is not None and s.rank != rank:
+                continue
+            self._drop_keys(s, list(s.emap.values()))
+            s.emap.clear()
+            self._specs.drop(s)
+
+    def purge(self, endpoint: str) -> None:
+        """Forget everything about a worker (restart, unrecoverable gap, removal)."""
+        self.clear(endpoint)
+        for s in self._table.of(endpoint):
+            s.purges += 1
+
+    # ---- speculative entries -----------------------------------------------------------
+
+    def insert_speculative(
+        self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None
+    ) -> None:
+        """The router just sent these blocks to `endpoint`: count them as held (GPU) until a
+        confirming BlockStored replaces them or `ttl_s` (default index.speculative_ttl_s) ends."""
+        ttl = self.config.speculative_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0 or not keys:
+            return
+        self._specs.insert(self._slot(endpoint, 0), keys, self.clock() + ttl, self._gpu)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop speculative entries whose TTL has passed (match calls this)."""
+        if self._specs.heap:
+            self._specs.expire(self.clock() if now is None else now, self._table.by_bit)
+
+    # ---- queries -----------------------------------------------------------------------
+
+    def match(
+        self, keys: Sequence[int], endpoints: Iterable[str] | None = None
+    ) -> dict[str, Match]:
+        """Per worker, the contiguous leading blocks of `keys` it holds (only workers with
+        >= 1 matched block appear). Speculative blocks count as GPU. Several workers may
+        share one (equal) Match object: treat the result as read-only."""
+        if self._specs.heap:
+            self.expire()
+        allowed = self._table.allowed(endpoints)
+        if not allowed or not keys:
+            return {}
+        zero = itertools.repeat(0)
+        g = list(map(self._gpu.get, keys, zero))
+        spec = self._spec
+        if spec and not spec.keys().isdisjoint(keys):
+            g = list(map(or_, g, map(spec.get, keys, zero)))
+        cpu, disk = self._cpu, self._disk
+        # A prompt with no block on CPU/disk anywhere (the common case) pays one C-level
+        # membership scan per non-empty slow medium and takes the GPU-only path.
+        slow_c = bool(cpu) and not cpu.keys().isdisjoint(keys)
+        slow_d = bool(disk) and not disk.keys().isdisjoint(keys)
+        if slow_c or slow_d:
+            c = list(map(cpu.get, keys, zero)) if cpu else None
+            d = list(map(disk.get, keys, zero)) if disk else None
+            return _match.with_media(g, c, d, allowed, self._table.bit_ep, self._weights)
+        return _match.gpu_only(g, allowed, self._table.bit_ep, self._table.ranked, self._wg)
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def stats(self, endpoint: str) -> dict[str, Any]:
+        """Blocks by medium, speculative entries, evictions, purges (for /debug/index)."""
+        by_medium = dict.fromkeys(MEDIA, 0)
+        spec = evictions = purges = engine = 0
+        ranks = []
+        for s in self._table.of(endpoint):
+            ranks.append(s.rank)
+            for m in MEDIA:
+                by_medium[m] += s.counts[m]
+            spec += len(s.spec)
+            evictions += s.evictions
+            purges = max(purges, s.purges)
+            engine += len(s.emap)
+        return {
+            "blocks": by_medium,
+            "engine_hashes": engine,
+            "speculative": spec,
+            "evictions": evictions,
+            "purges": purges,
+            "ranks": sorted(ranks),
+        }
+
+    def entries(self, medium: str) -> int:
+        """Stored (block, worker) entries on one medium."""
+        return sum(s.counts[medium] for s in self._slots.values())
+
+    def total_entries(self) -> int:
+        """Stored (block, worker) entries over all media."""
+        return sum(s.counts[m] for s in self._slots.values() for m in MEDIA)

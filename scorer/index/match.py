@@ -1,0 +1,115 @@
+"""Prefix matching over holder masks: per worker, the contiguous leading blocks it holds.
+
+`gpu_only` is the common case (no prompt block on CPU/disk anywhere): one mask per block,
+depths found where the mask changes. `with_media` splits each worker's matched blocks by
+their best medium with Python work only at the positions that have a CPU/disk copy:
+O(blocks + such holders), never O(blocks x workers).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scorer.index.masks import bits, depths
+
+
+@dataclass(slots=True)
+class Match:
+    """How much of a prompt one worker holds."""
+
+    blocks: int  # contiguous leading blocks held (any medium)
+    by_medium: dict[str, int]  # those blocks split by medium ("GPU", "CPU", "DISK")
+    weighted: float  # sum of medium weights over the matched blocks
+
+
+def gpu_only(
+    masks: list[int], allowed: int, bit_ep: Sequence[str], ranked: bool, wg: float
+) -> dict[str, Match]:
+    """Matches from per-block GPU (and speculative) holder masks."""
+    counts = depths(masks, allowed)[0]
+    if not counts:
+        return {}
+    out: dict[str, Match] = {}
+    shared: dict[int, Match] = {}  # one Match per distinct depth
+    if ranked:  # an endpoint may have several slots (dp ranks): keep its best
+        for b, c in counts.items():
+            cur = out.get(bit_ep[b])
+            if cur is None or c > cur.blocks:
+                m = shared.get(c)
+                if m is None:
+                    m = shared[c] = Match(c, {"GPU": c}, c * wg)
+                out[bit_ep[b]] = m
+        return out
+    for b, c in counts.items():
+        m = shared.get(c)
+        if m is None:
+            m = shared[c] = Match(c, {"GPU": c}, c * wg)
+        out[bit_ep[b]] = m
+    return out
+
+
+def with_media(
+    g: list[int],
+    c: list[int] | None,
+    d: list[int] | None,
+    allowed: int,
+    bit_ep: Sequence[str],
+    weights: tuple[float, float, float],
+) -> dict[str, Match]:
+    """Matches from per-block GPU (+speculative), CPU and disk holder masks (`c`/`d` None
+    when that medium is empty). A block on several media counts once, on its best one
+    (GPU/speculative > CPU > DISK)."""
+    n = len(g)
+    # Positions with a CPU/disk copy anywhere (found in C); usually a few. Only those
+    # get Python work: their combined mask, then their split among the alive workers.
+    if c is not None and d is not None:
+        slow_pos = sorted({*itertools.compress(range(n), c), *itertools.compress(range(n), d)})
+    else:
+        slow_pos = list(itertools.compress(range(n), c if c is not None else d or ()))
+    tot = list(g)
+    for i in slow_pos:
+        tot[i] = g[i] | (c[i] if c is not None else 0) | (d[i] if d is not None else 0)
+    counts, starts, run_alive = depths(tot, allowed)
+    if not counts:
+        return {}
+    n_cpu: dict[int, int] = {}
+    n_disk: dict[int, int] = {}
+    end = max(counts.values())
+    for i in slow_pos:
+        if i >= end:
+            break  # past the last matched block of every worker
+        ci = c[i] if c is not None else 0
+        # Holders whose copy is CPU/disk-only, among the workers still counting block i
+        # (the alive set of i's run).
+        x = (tot[i] & ~g[i]) & run_alive[bisect.bisect_right(starts, i) - 1]
+        for b in bits(x):
+            if ci >> b & 1:
+                n_cpu[b] = n_cpu.get(b, 0) + 1
+            else:
+                n_disk[b] = n_disk.get(b, 0) + 1
+    out: dict[str, Match] = {}
+    wg, wc, wd = weights
+    shared: dict[tuple[int, int, int], Match] = {}  # one Match per distinct split
+    for b, cnt in counts.items():
+        nc = n_cpu.get(b, 0)
+        nd = n_disk.get(b, 0)
+        ep = bit_ep[b]
+        cur = out.get(ep)
+        ng = cnt - nc - nd
+        weighted = ng * wg + nc * wc + nd * wd
+        # dp ranks of one endpoint keep separate caches and a request is served by one of
+        # them, so the endpoint is worth its best rank: most blocks, then the best media (a
+        # GPU copy on one rank beats a CPU copy on another). Never a sum.
+        if cur is None or (cnt, weighted) > (cur.blocks, cur.weighted):
+            m = shared.get((cnt, nc, nd))
+            if m is None:
+                m = shared[cnt, nc, nd] = Match(
+                    cnt,
+                    {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
+                    weighted,
+                )
+            out[ep] = m
+    return out

@@ -1,0 +1,286 @@
+"""`kv-scorer bench`: the routing-quality benchmark (replay or end-to-end).
+
+    kv-scorer bench --workload mooncake-conversation --mode replay --out bench/out/routing
+    kv-scorer bench --workload mooncake-conversation --mode e2e --time-scale 20 \\
+        --max-requests 300 --out bench/out/routing-e2e
+
+Writes DIR/results.json ({"workload", "settings", "policies": {NAME: {...}}}), DIR/*.png,
+and prints a table. Every flag is recorded under "settings".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvscorer_tools.bench import report
+from kvscorer_tools.bench.workloads import WORKLOADS, Workload, load_workload, oracle_block_hit_rate
+
+REPLAY_DEFAULT = "kv,approx,round_robin,least_loaded"
+E2E_DEFAULT = "kv,approx,round_robin,sglang_cache_aware,vllm_router_kv_aware"
+SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000, None]  # None = unbounded
+
+
+def register(subparsers: Any) -> None:
+    """Add `kv-scorer bench`."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "bench",
+        help="routing benchmark: policies vs peers vs the oracle (replay or end-to-end)",
+        description=(
+            "Routing-quality benchmark. --mode replay: a deterministic discrete-event "
+            "replay of our policies against simulated workers (whole traces in minutes). "
+            "--mode e2e: real traffic through Envoy, the scorer and `kv-scorer sim` "
+            "workers, plus peer routers when installed (pip install -e './tools[peers]')."
+        ),
+    )
+    p.add_argument("--workload", default="mooncake-conversation", choices=sorted(WORKLOADS))
+    p.add_argument("--mode", default="replay", choices=["replay", "e2e"])
+    p.add_argument("--out", default="bench/out/routing", help="output directory")
+    p.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
+    p.add_argument(
+        "--capacity-blocks",
+        type=int,
+        default=1000,
+        help="KV capacity per worker in --block-size blocks; 0 = unbounded (default 1000)",
+    )
+    p.add_argument("--block-size", type=int, default=512, help="tokens per KV block (512)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="divide arrival times by this (e2e: also the sims' --speed); default 1",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma list (replay: {REPLAY_DEFAULT}; "
+        f"e2e: {E2E_DEFAULT}); peers: sglang_cache_aware, vllm_router_kv_aware",
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="workload parameter (repeatable), e.g. --param groups=8 --param rate=2",
+    )
+    p.add_argument("--max-requests", type=int, default=None, help="first N requests only")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="per-worker sequence limit")
+    p.add_argument(
+        "--policy-config",
+        default=None,
+        help="YAML/JSON file of policy options by name ({kv: {prefill_load_scale: 2}})",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="POLICY.OPTION=VALUE",
+        help="one policy option (repeatable), e.g. --set kv.credit_decay=0",
+    )
+    p.add_argument(
+        "--sweep-capacity",
+        action="store_true",
+        help="replay also at 500/1000/5000/unbounded blocks per worker (sweep plot)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=256,
+        help="e2e: most requests in flight from the load generator",
+    )
+    p.set_defaults(func=run)
+
+
+def parse_policy_options(path: str | None, sets: list[str]) -> dict[str, dict[str, Any]]:
+    """Options per policy from --policy-config and --set (ValueError names the bad one)."""
+    out: dict[str, dict[str, Any]] = {}
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--policy-config {path}: {e}") from e
+        if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+            raise ValueError(f"--policy-config {path}: expected {{policy: {{option: value}}}}")
+        out = {str(k): dict(v) for k, v in data.items()}
+    for item in sets:
+        key, eq, raw = item.partition("=")
+        pol, dot, opt = key.partition(".")
+        if not eq or not dot or not pol or not opt:
+            raise ValueError(f"--set {item!r}: expected POLICY.OPTION=VALUE")
+        out.setdefault(pol, {})[opt] = yaml.safe_load(raw)
+    return out
+
+
+def parse_params(items: list[str]) -> dict[str, Any]:
+    """--param KEY=VALUE items → keyword arguments (values parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--param {item!r}: expected KEY=VALUE")
+        out[key.replace("-", "_")] = yaml.safe_load(raw)
+    return out
+
+
+def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
+    """Every flag, for results.json."""
+    return {
+        "mode": args.mode,
+        "workers": args.workers,
+        "capacity_blocks": args.capacity_blocks or None,
+        "block_size": args.block_size,
+        "time_scale": args.time_scale,
+        "seed": args.seed,
+        "policies": policies,
+        "max_requests": args.max_requests,
+        "max_num_seqs": args.max_num_seqs,
+        "policy_options": args.policy_options,
+        "sweep_capacity": args.sweep_capacity,
+        "concurrency": args.concurrency,
+        "workload_params": parse_params(args.param),
+    }
+
+
+def oracle_entry(wl: Workload, block_size: int, keys: Any = None) -> dict[str, Any]:
+    """The oracle: infinite-cache hit ratio (block level; token level when keys given)."""
+    entry: dict[str, Any] = {"hit_rate": round(oracle_block_hit_rate(wl, block_size), 4)}
+    if keys is not None:
+        from kvscorer_tools.bench.replay import oracle_token_hit_rate
+
+        entry["hit_rate_tokens"] = round(oracle_token_hit_rate(wl, keys), 4)
+    return entry
+
+
+def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) -> dict[str, Any]:
+    """All policies (and optionally the capacity sweep) in the discrete-event replay."""
+    from kvscorer_tools.bench.replay import ReplaySettings, RequestKeys, run_replay
+
+    t = time.perf_counter()
+    keys = RequestKeys(wl, args.block_size)
+    print(f"block keys for {len(wl)} requests in {time.perf_counter() - t:.1f}s", flush=True)
+
+    def settings(cap: int | None) -> ReplaySettings:
+        return ReplaySettings(
+            workers=args.workers,
+            capacity_blocks=cap,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+            policy_options=args.policy_options,
+        )
+
+    results: dict[str, Any] = {}
+    for name in policies:
+        if name in PEERS:
+            results[name] = {"error": "peers run in --mode e2e only"}
+            continue
+        res = run_replay(wl, name, settings(args.capacity_blocks or None), keys)
+        results[name] = res.as_dict()
+        r = results[name]
+        print(
+            f"  {name}: hit {r['hit_rate']:.3f}  p50 {r['ttft_p50_ms']:.0f} ms  "
+            f"p99 {r['ttft_p99_ms']:.0f} ms  imbalance {r['imbalance']:.2f}  "
+            f"({r['wall_s']:.1f}s)",
+            flush=True,
+        )
+    results["oracle"] = oracle_entry(wl, args.block_size, keys)
+    extra: dict[str, Any] = {}
+    if args.sweep_capacity:
+        ours = [p for p in policies if p not in PEERS]
+        sweep: dict[str, Any] = {
+            "capacities": [c if c is not None else "unbounded" for c in SWEEP_CAPACITIES],
+            "hit_rate": {p: [] for p in ours},
+            "ttft_p99_ms": {p: [] for p in ours},
+        }
+        for cap in SWEEP_CAPACITIES:
+            for p in ours:
+                if cap == (args.capacity_blocks or None) and p in results:
+                    r = results[p]
+                else:
+                    r = run_replay(wl, p, settings(cap), keys).as_dict()
+                    print(f"  sweep {cap or 'unbounded'} {p}: hit {r['hit_rate']:.3f}", flush=True)
+                sweep["hit_rate"][p].append(r["hit_rate"])
+                sweep["ttft_p99_ms"][p].append(r["ttft_p99_ms"])
+        sweep["hit_rate"]["oracle"] = [results["oracle"]["hit_rate"]] * len(SWEEP_CAPACITIES)
+        extra["capacity_sweep"] = sweep
+    return {"policies": results, **extra}
+
+
+PEERS = ("sglang_cache_aware", "vllm_router_kv_aware")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`kv-scorer bench`: 0 on success, 2 on bad flags."""
+    default = REPLAY_DEFAULT if args.mode == "replay" else E2E_DEFAULT
+    policies = [p.strip() for p in (args.policies or default).split(",") if p.strip()]
+    try:
+        args.policy_options = parse_policy_options(args.policy_config, args.set)
+        if args.workers < 1:
+            raise ValueError("--workers must be >= 1")
+        if args.time_scale <= 0:
+            raise ValueError("--time-scale must be > 0")
+        if args.block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        if args.capacity_blocks < 0:
+            raise ValueError("--capacity-blocks must be >= 0 (0 = unbounded)")
+        from scorer.policy import POLICIES
+
+        unknown = [p for p in policies if p not in POLICIES and p not in PEERS]
+        if unknown:
+            known = ", ".join([*sorted(POLICIES), *PEERS])
+            raise ValueError(f"unknown policies {', '.join(unknown)} (known: {known})")
+        wl = load_workload(args.workload, seed=args.seed, **parse_params(args.param))
+    except ValueError as e:
+        print(f"kv-scorer bench: {e}", file=sys.stderr)
+        return 2
+    if args.max_requests is not None or args.time_scale != 1.0:
+        wl = wl.slice(args.max_requests, args.time_scale)
+    out = Path(args.out)
+    print(
+        f"{args.mode}: {wl.name}, {len(wl)} requests over {wl.duration_s:.0f}s, "
+        f"{args.workers} workers x {args.capacity_blocks or 'unbounded'} blocks of "
+        f"{args.block_size}",
+        flush=True,
+    )
+    if args.mode == "replay":
+        body = run_replay_mode(args, wl, policies)
+    else:
+        from kvscorer_tools.bench.e2e import E2ESettings, run_e2e
+
+        es = E2ESettings(
+            workers=args.workers,
+            capacity_blocks=args.capacity_blocks or None,
+            block_size=args.block_size,
+            speed=args.time_scale,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+            concurrency=args.concurrency,
+            policy_options=args.policy_options,
+        )
+        body = {"policies": run_e2e(wl, policies, es, log=print)}
+        body["policies"]["oracle"] = oracle_entry(wl, args.block_size)
+    doc = report.results_doc(wl.name, body.pop("policies"), settings_of(args, policies), **body)
+    doc["workload_params"] = wl.params
+    report.write_json(out / "results.json", doc)
+    title = (
+        f"{wl.name} ({args.mode}, {args.workers} workers x "
+        f"{args.capacity_blocks or 'unbounded'} blocks)"
+    )
+    print()
+    print(report.format_table(doc["policies"], title))
+    report.plot_policies(doc["policies"], out / "policies.png", title)
+    if "capacity_sweep" in doc:
+        print()
+        print(report.format_sweep(doc["capacity_sweep"]))
+        report.plot_sweep(doc["capacity_sweep"], out / "capacity_sweep.png", wl.name)
+    print(f"\nwrote {out / 'results.json'}")
+    sys.stdout.flush()
+    json.dumps(doc)  # fail loudly here, not in a reader, if something is not JSON
+    return 0

@@ -1,0 +1,100 @@
+"""Peer routers in the end-to-end benchmark, fronting the same simulated workers.
+
+* ``sglang_cache_aware``: sglang-router 0.3.2 (PyPI ``sglang-router``), policy
+  ``cache_aware`` — an approximate radix tree of the prompts it routed, with load-balance
+  thresholds. Started as ``python -m sglang_router.launch_router --worker-urls ...
+  --policy cache_aware`` (the launcher's documented form).
+* ``vllm_router_kv_aware``: vllm-router (PyPI ``vllm-router`` 0.1.17), policy
+  ``kv_aware`` — routes by the workers' ZMQ KV events, tokenizing through the workers'
+  ``/tokenize`` endpoint. Flags from the installed launcher's ``--help``:
+  ``--kv-event-source WORKER_URL=ENDPOINT``, ``--kv-event-replay-source``,
+  ``--kv-event-block-size``, ``--kv-event-model``.
+
+Both are optional (``pip install -e './tools[peers]'``). A peer that is not installed,
+does not start or fails its requests gets ``{"error": "..."}`` in the results and the run goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+from kvscorer_tools.bench.e2e.fleet import SimFleet
+from kvscorer_tools.bench.e2e.load import run_load
+from kvscorer_tools.bench.e2e.settings import E2ESettings
+from kvscorer_tools.bench.e2e.summary import summarize
+from kvscorer_tools.bench.procs import ProcError, ProcGroup, free_port, http_get, wait_until
+from kvscorer_tools.bench.workloads import Workload
+
+PEERS = {
+    "sglang_cache_aware": "sglang_router",
+    "vllm_router_kv_aware": "vllm_router",
+}
+
+
+class PeerError(RuntimeError):
+    """A peer router is not installed or could not be started."""
+
+
+def peer_argv(name: str, fleet: SimFleet, settings: E2ESettings, port: int) -> list[str]:
+    """The command line of peer `name` fronting `fleet` on `port`."""
+    urls = [s.url for s in fleet.specs]
+    metrics_port = str(free_port())  # both default to a fixed Prometheus port; avoid clashes
+    if name == "sglang_cache_aware":
+        return [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls,
+            "--policy", "cache_aware",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
+            "--log-level", "warn",
+        ]  # fmt: skip
+    if name == "vllm_router_kv_aware":
+        argv = [
+            sys.executable, "-m", "vllm_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls,
+            "--policy", "kv_aware",
+            "--kv-event-block-size", str(settings.block_size),
+            "--kv-event-model", "bench-model",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
+            "--log-level", "warning",
+        ]  # fmt: skip
+        for s in fleet.specs:
+            argv += ["--kv-event-source", f"{s.url}={s.events}"]
+            argv += ["--kv-event-replay-source", f"{s.url}={s.replay}"]
+        return argv
+    raise PeerError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
+
+
+def run_peer(
+    name: str, group: ProcGroup, fleet: SimFleet, wl: Workload, settings: E2ESettings
+) -> dict[str, Any]:
+    """Start peer `name` in front of `fleet`, run the workload through it, stop it."""
+    module = PEERS.get(name)
+    if module is None:
+        raise PeerError(f"unknown peer {name!r}")
+    if importlib.util.find_spec(module) is None:
+        raise PeerError(f"{module} is not installed (pip install -e './tools[peers]')")
+    fleet.reset()
+    port = free_port()
+    proc = group.start(name, peer_argv(name, fleet, settings, port))
+    try:
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: http_get(base + "/health", 1.0)[0] == 200, 90.0, name, proc)
+        except ProcError as e:
+            raise PeerError(str(e)) from e
+        before = fleet.counters()
+        # sglang-router 0.3.2 accepts only text prompts on /v1/completions (HTTP 422 for
+        # token ids): it gets the same prompts as "t<id>" words (see completion_body).
+        text = name == "sglang_cache_aware"
+        res = run_load(base + "/v1/completions", wl, settings, name, text)
+        after = fleet.counters()
+        out = summarize(res, before, after, settings.speed, len(wl))
+        if res.done == 0:
+            raise PeerError(f"every request failed; first: {res.first_error}\n{proc.log_tail()}")
+        return out
+    finally:
+        group.stop(proc)

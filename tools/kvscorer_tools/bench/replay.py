@@ -1,0 +1,521 @@
+"""Deterministic discrete-event replay: our policies in-process against simulated workers.
+
+Nothing here touches the network or the wall clock. Time is simulated: a heap of events
+(arrivals, engine-step ends, metric scrapes). Each simulated worker is stepped like the
+simulated worker's engine (`kvscorer_tools.sim.engine.Engine`), over the same
+`kvscorer_tools.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
+`kvscorer_tools.sim.timing.TimingModel`:
+
+* a step schedules waiting requests FIFO (never skipping the head) while fewer than
+  `max_num_seqs` run, their uncached prompt tokens fit `max_num_batched_tokens` (the first
+  always does) and the KV pool can hold their blocks (full prompt blocks, cached or new,
+  plus anonymous blocks for the partial last block and every output token, reserved up
+  front); it lasts `prefill_ms(uncached tokens of the step) + decode_ms_per_token(batch)`;
+* the hit is the longest cached prefix of full blocks, capped so that one prompt token is
+  computed (as vLLM does); queries and hits are counted in tokens when a request is
+  scheduled (`vllm:prefix_cache_queries` / `_hits`);
+* every scheduled request gets one token per step; a new request's first token ends its
+  TTFT; a request that has all its output tokens finishes and unpins its blocks (tail
+  first); consecutive decode-only steps with nothing to change are one event;
+* a request whose blocks exceed the worker's KV pool is rejected (an error).
+
+The routing side is the real one: `scorer.policy.build_policy` with a real `Pool`,
+`PolicyContext` and `BlockIndex` (``ctx.services["index"]``), decided and accounted by the
+data path's own `scorer.director.Director` driven by the simulated lifecycle (request
+received at arrival, response started at the end of prefill, ended at the last token) and
+the scraped load refreshed every `scrape_interval_s` of simulated time. The index is fed
+from the simulated workers' stores and evictions — what their KV-event streams would
+carry — through a direct apply path with our own block keys (no ZMQ, no engine-hash
+mapping; the simulated worker's "engine hash" *is* our key), `event_delay_s` after the
+fact.
+
+Same workload, settings and seed → the same results, bit for bit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvscorer_tools.bench.workloads import Workload
+from kvscorer_tools.sim.cache import PrefixCache
+from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.timing import TimingModel
+from scorer.blocks import BlockHasher
+from scorer.config import Config
+from scorer.director import Director
+from scorer.index import BlockIndex
+from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.pool.workers import Pool
+from scorer.routing import RoutingRequest
+
+UNBOUNDED_BLOCKS = 1 << 40  # "unbounded" capacity: more blocks than any trace can use
+MODEL = "bench-model"
+CLOCK_BASE = 1000.0  # simulated clock = CLOCK_BASE + simulated seconds
+
+
+@dataclass(slots=True)
+class ReplaySettings:
+    """The simulated fleet and how the router sees it."""
+
+    workers: int = 8
+    capacity_blocks: int | None = 1000  # per worker; None = unbounded
+    block_size: int = 512
+    max_num_seqs: int = 256  # vLLM's default for a GPU (SchedulerConfig.max_num_seqs)
+    # Prompt tokens prefilled per engine step (the first request of a step always fits).
+    max_num_batched_tokens: int = 8192
+    seed: int = 0
+    scrape_interval_s: float = 0.2  # like config load.scrape_interval_s
+    event_delay_s: float = 0.0  # store/evict → index latency (simulated seconds)
+    timing: TimingModel = field(default_factory=TimingModel)
+    # Options per policy name (the `policies.NAME` config section), e.g. a bench config.
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    """One policy's numbers on one workload (the results.json entry)."""
+
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    throughput_rps: float
+    imbalance: float
+    requests: int
+    errors: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The results.json shape (extra keys after the required ones)."""
+        out: dict[str, Any] = {
+            "hit_rate": round(self.hit_rate, 4),
+            "ttft_p50_ms": round(self.ttft_p50_ms, 2),
+            "ttft_p99_ms": round(self.ttft_p99_ms, 2),
+            "throughput_rps": round(self.throughput_rps, 3),
+            "imbalance": round(self.imbalance, 3),
+            "requests": self.requests,
+            "errors": self.errors,
+        }
+        out.update(self.extra)
+        return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def imbalance(per_worker: Sequence[float]) -> float:
+    """max / mean of per-worker prompt tokens (1.0 = perfectly even; 0 when idle)."""
+    if not per_worker:
+        return 0.0
+    mean = sum(per_worker) / len(per_worker)
+    return max(per_worker) / mean if mean > 0 else 0.0
+
+
+class RequestKeys:
+    """Block keys of every request of a workload, computed once with our BlockHasher.
+
+    One array of tokens per request, built and dropped in turn, so the whole Mooncake trace
+    (145M prompt tokens) never sits in memory as tokens.
+    """
+
+    def __init__(self, workload: Workload, block_size: int, algo: str = "xxh3") -> None:
+        self.hasher = BlockHasher(block_size, algo)  # type: ignore[arg-type]
+        self.keys: list[list[int]] = []
+        for r in workload.requests:
+            arr = r.token_array().astype("<u4", copy=False)
+            self.keys.append(self.hasher.keys_from_bytes(arr.tobytes()))
+
+
+@dataclass(slots=True, eq=False)
+class _Req:
+    idx: int
+    rid: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    keys: list[int]
+    extra_blocks: int
+    worker: _SimWorker | None = None
+    first: float = -1.0
+    done: float = -1.0
+    remaining: int = 0
+
+
+def _request_keys(r: _Req) -> list[int]:
+    return r.keys
+
+
+class _SimWorker:
+    """One simulated engine, stepped like `kvscorer_tools.sim.engine.Engine` on simulated time."""
+
+    def __init__(self, sim: _Replay, endpoint: str, capacity: int) -> None:
+        self.sim = sim
+        self.endpoint = endpoint
+        self.cache = PrefixCache(capacity, sim.settings.block_size, on_evict=self._evicted)
+        self.waiting: deque[_Req] = deque()
+        self.running: list[_Req] = []  # scheduled: decoding, or prefilling this step
+        self.admitted: list[_Req] = []  # prefilled in the current step
+        self.step_start = 0.0
+        self.step_s = 0.0  # duration of one step of the current run
+        self.steps = 0  # steps in the current run (decode-only runs may be > 1)
+        self.step_end = -1.0  # < 0: idle
+        self.gen = 0  # invalidates stale step-end events
+        self.prompt_tokens = 0  # routed here (imbalance)
+
+    # --- events ------------------------------------------------------------------------
+
+    def _evicted(self, hashes: list[int]) -> None:
+        self.sim.feed_remove(self.endpoint, hashes)
+
+    def arrive(self, r: _Req, now: float) -> None:
+        """A routed request reaches the engine's waiting queue (or is rejected)."""
+        self.prompt_tokens += r.prompt_tokens
+        if len(r.keys) + r.extra_blocks > self.cache.capacity_blocks:
+            # The engine rejects what can never fit its KV pool (HTTP 400 in the sim).
+            self.sim.error(r, now)
+            return
+        self.waiting.append(r)
+        if self.step_end < 0:
+            self.start_step(now)
+        elif not self.admitted and self.steps > 1:
+            # Cut a multi-step decode run at the next step boundary so the scheduler
+            # can look at the new request there (as the real engine loop would).
+            done = math.floor((now - self.step_start) / self.step_s + 1e-12)
+            steps = min(done + 1, self.steps)
+            if steps < self.steps:
+                self.steps = steps
+                self._schedule(self.step_start + steps * self.step_s)
+
+    def step_done(self, now: float) -> None:
+        """The current step (or run of decode steps) has ended at `now`."""
+        self.step_end = -1.0
+        for r in self.admitted:
+            r.first = now  # the prefill step produced the first token
+            self.sim.tracker_first_byte(r)
+        self.admitted = []
+        still = []
+        for r in self.running:
+            r.remaining -= self.steps
+            if r.remaining <= 0:
+                self.finish(r, now)
+            else:
+                still.append(r)
+        self.running = still
+        self.start_step(now)
+
+    def finish(self, r: _Req, now: float) -> None:
+        r.done = now
+        self.cache.release(r.keys, r.extra_blocks)
+        self.sim.tracker_finished(r)
+
+    def start_step(self, now: float) -> None:
+        """Schedule the next engine step (admission: `kvscorer_tools.sim.scheduler`, as the sim)."""
+        st = self.sim.settings
+        step = schedule_step(
+            self.waiting,
+            len(self.running),
+            self.cache,
+            max_num_seqs=st.max_num_seqs,
+            max_num_batched_tokens=st.max_num_batched_tokens,
+            block_keys=_request_keys,
+            on_admit=self._admitted,
+        )
+        admitted = [a.request for a in step.admitted]
+        budget = step.prefill_tokens
+        decoding = len(self.running)
+        if not admitted and not decoding:
+            return  # idle (a blocked head cannot happen with nothing running)
+        timing = st.timing
+        self.step_start = now
+        if admitted:
+            self.admitted = admitted
+            self.running.extend(admitted)
+            self.step_s = timing.step_ms(budget, decoding) / 1000.0
+            self.steps = 1
+        else:
+            # Nothing changes until the first running request finishes: one event.
+            self.step_s = timing.decode_ms_per_token(decoding) / 1000.0
+            self.steps = max(min(r.remaining for r in self.running), 1)
+        self._schedule(now + self.steps * self.step_s)
+
+    def _admitted(self, a: Admission[_Req]) -> None:
+        if a.stored:
+            self.sim.feed_store(self.endpoint, a.stored)
+        a.request.remaining = a.request.output_tokens
+
+    def _schedule(self, end: float) -> None:
+        self.step_end = end
+        self.gen += 1
+        self.sim.push(end, _STEP, (self, self.gen))
+
+
+_ARRIVE, _STEP, _SCRAPE, _FEED = 0, 1, 2, 3
+
+
+class _Replay:
+    """One policy on one workload."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        keys: RequestKeys,
+        policy_name: str,
+        settings: ReplaySettings,
+    ) -> None:
+        self.workload = workload
+        self.keys = keys
+        self.settings = settings
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        cap = settings.capacity_blocks or UNBOUNDED_BLOCKS
+        endpoints = [f"10.0.{i // 250}.{i % 250 + 1}:8000" for i in range(settings.workers)]
+        raw = {
+            "pool": {
+                "workers": [{"endpoint": e} for e in endpoints],
+                "block_size": settings.block_size,
+            },
+            "policy": policy_name,
+            "policies": settings.policy_options,
+        }
+        self.config = Config.model_validate(raw)
+        self.pool = Pool.from_config(self.config)
+        self.index = BlockIndex(self.config.index)
+        # Simulated time for everything that expires or judges freshness (speculative
+        # entries, approx TTLs, session idle TTL, scrape freshness). Offset so that the
+        # first instant is not 0 ("never scraped" in ScrapedLoad.at).
+        self.index.clock = self.clock
+        self.ctx = PolicyContext(
+            pool=self.pool,
+            config=self.config,
+            rng=random.Random(settings.seed),
+            services={"index": self.index, "hasher": keys.hasher},
+        )
+        self.policy: Policy = build_policy(
+            policy_name, self.ctx, settings.policy_options.get(policy_name)
+        )
+        set_clock(self.policy, self.clock)
+        self.director = Director(self.config, self.pool, self.policy)
+        self.workers = {e: _SimWorker(self, e, cap) for e in endpoints}
+        self.reqs: list[_Req] = []
+        self.errors = 0
+        self.reasons: dict[str, int] = {}
+        # Per request in arrival order: (endpoint or "", reason, notes) when recording
+        # (bench/record_decisions.py pins decisions across refactors with it).
+        self.decided: list[tuple[str, str, str]] | None = None
+        for w in self.pool:
+            w.scraped.block_size = settings.block_size
+            w.scraped.num_gpu_blocks = settings.capacity_blocks
+
+    def clock(self) -> float:
+        """The simulated clock as policies and the index read it (seconds)."""
+        return CLOCK_BASE + self.now
+
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
+
+    # --- index feed (what the KV-event streams would carry) ------------------------------
+
+    def feed_store(self, endpoint: str, keys: list[int]) -> None:
+        if self.settings.event_delay_s > 0:
+            self.push(self.now + self.settings.event_delay_s, _FEED, (endpoint, keys, True))
+        else:
+            index_store(self.index, endpoint, keys)
+
+    def feed_remove(self, endpoint: str, keys: list[int]) -> None:
+        if self.settings.event_delay_s > 0:
+            self.push(self.now + self.settings.event_delay_s, _FEED, (endpoint, keys, False))
+        else:
+            index_remove(self.index, endpoint, keys)
+
+    # --- router lifecycle -------------------------------------------------------------
+
+    def tracker_first_byte(self, r: _Req) -> None:
+        self.director.response_started(r.rid, 200)
+
+    def tracker_finished(self, r: _Req) -> None:
+        self.director.response_ended(r.rid)
+
+    def error(self, r: _Req, now: float) -> None:
+        self.errors += 1
+        r.done = now
+        self.director.response_started(r.rid, 400)
+        self.director.response_ended(r.rid)
+
+    def scrape(self) -> None:
+        """Refresh every worker's scraped load from its simulated engine."""
+        at = self.clock()
+        for w in self.pool:
+            sw = self.workers[w.endpoint]
+            sc = w.scraped
+            sc.running = float(len(sw.running))
+            sc.waiting = float(len(sw.waiting))
+            sc.kv_usage = sw.cache.usage if self.settings.capacity_blocks else 0.0
+            sc.at = at
+
+    def route(self, r: _Req, token_ids: Callable[[], list[int]], session: str | None) -> None:
+        bs = self.settings.block_size
+        req = RoutingRequest(
+            request_id=r.rid,
+            model=MODEL,
+            path="/v1/completions",
+            session_id=session,
+            block_size=bs,
+            prompt_tokens=r.prompt_tokens,
+        )
+        if self.policy.needs_tokens:
+            req.token_ids = token_ids()
+            req.block_keys = r.keys
+        d = self.director.decide_prepared(req)
+        self.reasons[str(d.reason)] = self.reasons.get(str(d.reason), 0) + 1
+        if self.decided is not None:
+            self.decided.append((d.endpoint or "", str(d.reason), ",".join(d.notes)))
+        if not d.endpoints:
+            self.error(r, self.now)
+            return
+        w = self.workers[d.endpoints[0]]
+        r.worker = w
+        w.arrive(r, self.now)
+
+    def run(self) -> PolicyResult:
+        bs = self.settings.block_size
+        wl = self.workload
+        for i, br in enumerate(wl.requests):
+            keys = self.keys.keys[i]
+            tail = br.prompt_tokens - len(keys) * bs  # partial last block (tokens)
+            extra = math.ceil((tail + br.output_tokens) / bs)
+            r = _Req(i, f"r{i}", br.arrival_s, br.prompt_tokens, br.output_tokens, keys, extra)
+            self.reqs.append(r)
+            self.push(br.arrival_s, _ARRIVE, i)
+        if self.reqs:
+            self.push(self.reqs[0].arrival, _SCRAPE, None)
+        pending = len(self.reqs)
+        while self.heap:
+            t, _, kind, obj = heapq.heappop(self.heap)
+            self.now = t
+            if kind == _ARRIVE:
+                br = wl.requests[obj]
+                self.route(self.reqs[obj], br.token_ids, br.session)
+                pending -= 1
+            elif kind == _STEP:
+                w, gen = obj
+                if gen == w.gen:
+                    w.step_done(t)
+            elif kind == _SCRAPE:
+                self.scrape()
+                busy = any(w.step_end >= 0 or w.waiting for w in self.workers.values())
+                if pending or busy:
+                    self.push(t + self.settings.scrape_interval_s, _SCRAPE, None)
+            else:
+                ep, keys, store = obj
+                (index_store if store else index_remove)(self.index, ep, keys)
+        return self.result()
+
+    def result(self) -> PolicyResult:
+        done = [r for r in self.reqs if r.first >= 0]
+        ttft = [(r.first - r.arrival) * 1000.0 for r in done]
+        q = sum(w.cache.queries_tokens for w in self.workers.values())
+        h = sum(w.cache.hits_tokens for w in self.workers.values())
+        t0 = min((r.arrival for r in self.reqs), default=0.0)
+        t1 = max((r.done for r in self.reqs), default=0.0)
+        span = t1 - t0
+        per_worker = [float(w.prompt_tokens) for w in self.workers.values()]
+        return PolicyResult(
+            hit_rate=h / q if q else 0.0,
+            ttft_p50_ms=percentile(ttft, 50),
+            ttft_p99_ms=percentile(ttft, 99),
+            throughput_rps=len(done) / span if span > 0 else 0.0,
+            imbalance=imbalance(per_worker),
+            requests=len(self.reqs),
+            errors=self.errors,
+            extra={
+                "ttft_mean_ms": round(sum(ttft) / len(ttft), 2) if ttft else 0.0,
+                "reasons": dict(sorted(self.reasons.items())),
+                "prompt_tokens_per_worker": [int(x) for x in per_worker],
+                "evictions": sum(w.cache.evictions for w in self.workers.values()),
+                "sim_duration_s": round(span, 3),
+            },
+        )
+
+
+def index_store(index: BlockIndex, endpoint: str, keys: list[int]) -> None:
+    """Apply a BlockStored (GPU medium) for `endpoint`: engine hash = our key here."""
+    index.add(endpoint, None, keys, keys, "GPU")
+
+
+def index_remove(index: BlockIndex, endpoint: str, keys: list[int]) -> None:
+    """Apply a BlockRemoved (GPU medium) for `endpoint`."""
+    index.remove(endpoint, None, keys, "GPU")
+
+
+def set_clock(obj: object, clock: Callable[[], float], depth: int = 0) -> None:
+    """Point a policy's (and its inner policy's) `clock` at the simulated clock."""
+    if hasattr(obj, "clock"):
+        obj.clock = clock  # type: ignore[attr-defined]
+    inner = getattr(obj, "inner", None)
+    if inner is not None and depth < 4:
+        set_clock(inner, clock, depth + 1)
+
+
+def run_replay(
+    workload: Workload,
+    policy: str,
+    settings: ReplaySettings,
+    keys: RequestKeys | None = None,
+) -> PolicyResult:
+    """Replay `workload` routed by `policy` on the simulated fleet of `settings`."""
+    if keys is None:
+        keys = RequestKeys(workload, settings.block_size)
+    t = time.perf_counter()
+    res = _Replay(workload, keys, policy, settings).run()
+    res.extra["wall_s"] = round(time.perf_counter() - t, 2)
+    return res
+
+
+def record_decisions(
+    workload: Workload,
+    policy: str,
+    settings: ReplaySettings,
+    keys: RequestKeys | None = None,
+) -> list[tuple[str, str, str]]:
+    """Every decision of a replay, in arrival order: (endpoint, reason, notes)."""
+    if keys is None:
+        keys = RequestKeys(workload, settings.block_size)
+    replay = _Replay(workload, keys, policy, settings)
+    replay.decided = []
+    replay.run()
+    return replay.decided
+
+
+def oracle_token_hit_rate(workload: Workload, keys: RequestKeys) -> float:
+    """Infinite-cache hit ratio in tokens, counted like the workers' counters.
+
+    Every full block ever seen stays cached; a request hits its leading blocks already
+    seen (x block_size tokens, at most its prompt) over its prompt tokens.
+    """
+    seen: set[int] = set()
+    hit = total = 0
+    bs = keys.hasher.block_size
+    for r, ks in zip(workload.requests, keys.keys, strict=True):
+        k = 0
+        for key in ks:
+            if key not in seen:
+                break
+            k += 1
+        hit += min(k * bs, r.prompt_tokens)
+        total += r.prompt_tokens
+        seen.update(ks)
+    return hit / total if total else 0.0

@@ -1,0 +1,324 @@
+"""The simulated engine: FIFO scheduler, prefix cache, KV events, timing, metrics.
+
+One asyncio task runs engine steps, as vLLM's engine core does:
+
+1. schedule: move waiting requests (FIFO, never skipping the head) into the running batch
+   while fewer than `max_num_seqs` run, the step's uncached prompt tokens stay within
+   `max_num_batched_tokens` (the first request of a step is always taken), and the KV pool
+   can hold the request's blocks: its full prompt blocks (cached, re-used on a hit) plus
+   anonymous blocks for the partial last block and all `max_tokens` output tokens
+   (reserved up front, so there is no preemption);
+2. publish the step's KV events (BlockRemoved for evictions, then BlockStored) as one batch;
+3. sleep for the step's model time / speed: prefill_ms(sum of uncached prompt tokens of the
+   newly scheduled requests) + decode_ms_per_token(number of requests already decoding);
+4. every scheduled request gets one output token (a new request its first token: TTFT);
+   requests that reached `max_tokens` finish and unpin their blocks.
+
+Prefix-cache accounting follows vLLM's scheduler: a request's hit is the longest cached
+prefix of full blocks, capped so at least one prompt token is computed (vLLM recomputes the
+last token to get logits); queries and hits are counted in tokens when the request is
+scheduled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvscorer_tools.sim.cache import PrefixCache, VllmBlockHash, vllm_block_hashes
+from kvscorer_tools.sim.kvevents import (
+    Era,
+    KVEventPublisher,
+    all_blocks_cleared,
+    block_removed,
+    block_stored,
+)
+from kvscorer_tools.sim.metrics import SimMetrics
+from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.timing import TimingModel
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the model or the KV pool)."""
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One generation request inside the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    # Filled by the engine.
+    hashes: list[VllmBlockHash] = field(default_factory=list)
+    extra_blocks: int = 0
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    ttft_s: float | None = None  # model seconds
+    finish_reason: str | None = None
+    queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    rng: random.Random = field(default_factory=random.Random)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return len(self.prompt_ids)
+
+    async def tokens(self) -> AsyncIterator[int]:
+        """Output token ids as the engine produces them."""
+        while True:
+            tok = await self.queue.get()
+            if tok is None:
+                return
+            yield tok
+
+
+def _block_values(req: SimRequest) -> list[int]:
+    return [h.value for h in req.hashes]
+
+
+class Engine:
+    """Scheduler + cache + event publisher + metrics of one simulated worker."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        capacity_blocks: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        timing: TimingModel,
+        metrics: SimMetrics,
+        publisher: KVEventPublisher | None,
+        era: Era,
+        seed: int,
+    ) -> None:
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.timing = timing
+        self.metrics = metrics
+        self.publisher = publisher
+        self.era: Era = era
+        self.seed = seed
+        self.cache = PrefixCache(capacity_blocks, block_size, on_evict=self._on_evict)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._events: list[msgspec.Struct] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._clock = 0.0  # wall time the last step ended
+        self._ids = itertools.count()
+        self.steps = 0
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine loop in the running event loop."""
+        self._task = asyncio.create_task(self._loop(), name="sim-engine")
+
+    async def stop(self) -> None:
+        """Stop the loop; unfinished requests end with finish_reason "abort"."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in [*self.waiting, *self.running]:
+            self._finish(req, "abort", release=False)
+        self.waiting.clear()
+        self.running.clear()
+
+    # --- requests --------------------------------------------------------------------
+
+    def next_id(self, prefix: str) -> str:
+        """Deterministic request id (seed and a per-worker counter)."""
+        return f"{prefix}-{self.seed:x}-{next(self._ids)}"
+
+    def submit(self, req: SimRequest) -> None:
+        """Queue a request; raises `RequestRejected` if it can never run."""
+        total = req.prompt_tokens + req.max_tokens
+        if req.prompt_tokens == 0:
+            raise RequestRejected("the prompt is empty")
+        if req.max_tokens < 1:
+            raise RequestRejected("max_tokens must be at least 1")
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({req.prompt_tokens} in the messages, "
+                f"{req.max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion."
+            )
+        bs = self.block_size
+        blocks = -(-total // bs)
+        if blocks > self.cache.capacity_blocks:
+            raise RequestRejected(
+                f"request needs {blocks} KV blocks of {bs} tokens; the worker has "
+                f"{self.cache.capacity_blocks}"
+            )
+        req.hashes = vllm_block_hashes(
+            req.prompt_ids, bs, lora_name=req.lora_name, cache_salt=req.cache_salt
+        )
+        req.extra_blocks = blocks - len(req.hashes)
+        digest = hashlib.blake2b(repr((self.seed, req.prompt_ids)).encode(), digest_size=8).digest()
+        req.rng = random.Random(int.from_bytes(digest, "big"))
+        self.waiting.append(req)
+        self._wake.set()
+
+    def abort(self, req: SimRequest) -> None:
+        """Drop a request (client went away): out of the queue, blocks unpinned."""
+        if req.finish_reason is not None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self._finish(req, "abort", release=False)
+        elif req in self.running:
+            self.running.remove(req)
+            self._finish(req, "abort", release=True)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached blocks (refused while requests run); emits AllBlocksCleared."""
+        if not self.cache.reset():
+            log.warning("reset_prefix_cache refused: %d blocks in use", self.cache.pinned_blocks)
+            return False
+        self._events.append(all_blocks_cleared(self.era))
+        self._flush_events()
+        return True
+
+    # --- engine loop -----------------------------------------------------------------
+
+    def _on_evict(self, hashes: list[int]) -> None:
+        # vLLM's block pool emits one BlockRemoved per evicted block.
+        for h in hashes:
+            self._events.append(block_removed(self.era, [h]))
+
+    def _flush_events(self) -> None:
+        if self._events and self.publisher is not None:
+            self.publisher.publish(self._events)
+        self._events = []
+
+    def _stored_events(self, req: SimRequest, stored: list[int]) -> None:
+        # One BlockStored per run of consecutive new blocks, chained to the block before.
+        new = set(stored)
+        bs = self.block_size
+        i, n = 0, len(req.hashes)
+        while i < n:
+            if req.hashes[i].value not in new:
+                i += 1
+                continue
+            j = i
+            while j < n and req.hashes[j].value in new:
+                j += 1
+            run = req.hashes[i:j]
+            self._events.append(
+                block_stored(
+                    self.era,
+                    [h.value for h in run],
+                    req.hashes[i - 1].value if i > 0 else None,
+                    req.prompt_ids[i * bs : j * bs],
+                    bs,
+                    lora_id=req.lora_id,
+                    lora_name=req.lora_name,
+                    extra_keys=[h.extra for h in run],
+                )
+            )
+            i = j
+
+    def _schedule(self) -> tuple[list[SimRequest], int]:
+        step = schedule_step(
+            self.waiting,
+            len(self.running),
+            self.cache,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_keys=_block_values,
+            on_admit=self._admitted,
+        )
+        return [a.request for a in step.admitted], step.prefill_tokens
+
+    def _admitted(self, a: Admission[SimRequest]) -> None:
+        req = a.request
+        req.cached_tokens = a.cached_tokens
+        self.metrics.prefix_queries.inc(req.prompt_tokens)
+        self.metrics.prefix_hits.inc(req.cached_tokens)
+        self.metrics.prompt_tokens.inc(req.prompt_tokens)
+        self._stored_events(req, a.stored)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.waiting and not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            admitted, prefill_tokens = self._schedule()
+            decoding = list(self.running)
+            self._flush_events()
+            if not admitted and not decoding:
+                # Cannot happen (submit rejects what never fits); do not spin if it does.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self.running.extend(admitted)
+            self._update_gauges()
+            ms = self.timing.step_ms(prefill_tokens, len(decoding))
+            start = max(self._clock, time.monotonic())
+            end = start + self.timing.wall_s(ms)
+            await asyncio.sleep(max(end - time.monotonic(), 0.0))
+            self._clock = end
+            self.steps += 1
+            for req in admitted:
+                # TTFT in model seconds, from the step's scheduled end (no loop jitter).
+                req.ttft_s = self.timing.model_s(end - req.arrival)
+                self.metrics.ttft.observe(req.ttft_s)
+            for req in [*decoding, *admitted]:
+                if req.finish_reason is not None:
+                    continue  # aborted during the step
+                tok = req.rng.randrange(1000, self.vocab_size)
+                req.output_ids.append(tok)
+                req.queue.put_nowait(tok)
+                self.metrics.generation_tokens.inc()
+                if len(req.output_ids) >= req.max_tokens:
+                    self.running.remove(req)
+                    self.metrics.e2e.observe(self.timing.model_s(end - req.arrival))
+                    self._finish(req, "length", release=True)
+            self._update_gauges()
+
+    def _finish(self, req: SimRequest, reason: str, *, release: bool) -> None:
+        if release:
+            self.cache.release([h.value for h in req.hashes], req.extra_blocks)
+        req.finish_reason = reason
+        if reason != "abort":
+            self.metrics.finished(reason)
+        req.queue.put_nowait(None)
+        req.done.set()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.running.set(len(self.running))
+        m.waiting.set(len(self.waiting))
+        m.kv_usage.set(self.cache.usage)
+        m.set_lora_state(
+            [r.lora_name for r in self.waiting if r.lora_name],
+            [r.lora_name for r in self.running if r.lora_name],
+        )
