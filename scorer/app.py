@@ -93,8 +93,18 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     # First in the list: it starts before (and stops after) every part that reports evidence.
     health = HealthMonitor(config, pool, index)
     components: list[Any] = [health, tokens, scraper]
+    if config.pool.discovery.enabled:
+        from scorer.pool.discovery import PoolDiscovery
+
+        # Last to start (after the event subscriptions exist), first to stop.
+        components.append(PoolDiscovery(config, pool))
     if config.events.enabled:
-        components.append(events)
+        components.insert(2, events)
+        if config.events.bind:
+            from scorer.events.pool_socket import PoolEventSocket
+
+            # One SUB socket for every engine of the pool (topic names the worker).
+            components.insert(3, PoolEventSocket(config, pool, events))
     services: dict[str, Any] = {
         "hasher": hasher,
         "index": index,
@@ -145,6 +155,8 @@ class App:
         self.services["events"].dry_run = self.director.dry_run
         self.health = Health()
         events = self.services.get("events")
+        # Components with a first sync to finish (Kubernetes discovery) hold readiness.
+        syncing = [c for c in self.components if hasattr(c, "synced")]
         self.readiness = ReadinessGate(
             self.pool,
             lambda: (
@@ -153,6 +165,7 @@ class App:
                 else {}
             ),
             config.server.readiness_events_timeout_s,
+            synced=lambda: all(c.synced.is_set() for c in syncing),
         )
         self._ready_task: asyncio.Task[None] | None = None
         self.extproc = ExtProcServicer(config, self.director)
@@ -369,6 +382,25 @@ def register(subparsers: Any) -> None:
         metavar="IP:PORT",
         help="a worker endpoint (repeatable; replaces pool.workers)",
     )
+    k = p.add_argument_group(
+        "Kubernetes discovery (pool.discovery; the reference endpoint picker's flags)"
+    )
+    k.add_argument("--pool-name", help="InferencePool to follow (pool.discovery.pool_name)")
+    k.add_argument(
+        "--pool-namespace", help="its namespace (default: env NAMESPACE, then 'default')"
+    )
+    k.add_argument("--pool-group", help="InferencePool API group (inference.networking.k8s.io)")
+    k.add_argument(
+        "--endpoint-selector",
+        metavar="LABELS",
+        help="standalone mode without the CRD: pods matching e.g. app=vllm",
+    )
+    k.add_argument(
+        "--endpoint-target-ports",
+        metavar="PORTS",
+        help="standalone mode: comma-separated ports per pod, e.g. 8000 or 8000,8001",
+    )
+    k.add_argument("--kubeconfig", help="kubeconfig file (default: env KUBECONFIG, in-cluster)")
     p.add_argument("--policy", help="routing policy (round_robin, random, least_loaded, ...)")
     p.add_argument("--host", help="listen address (server.host)")
     p.add_argument("--extproc-port", type=int, help="ext_proc gRPC port (default 9002)")
@@ -415,6 +447,16 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over["server"] = server
     if getattr(args, "worker", None):
         over["pool"] = {"workers": list(args.worker)}
+    discovery: dict[str, Any] = {}
+    for flag in ("pool_name", "pool_namespace", "pool_group", "endpoint_selector", "kubeconfig"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            discovery[flag] = v
+    ports = getattr(args, "endpoint_target_ports", None)
+    if ports is not None:
+        discovery["endpoint_target_ports"] = [p.strip() for p in ports.split(",") if p.strip()]
+    if discovery:
+        over.setdefault("pool", {})["discovery"] = discovery
     if getattr(args, "policy", None):
         over["policy"] = args.policy
     if getattr(args, "log_level", None):

@@ -131,6 +131,11 @@ class Subscriber:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), 5.0)
 
+    def cancel(self) -> None:
+        """Stop applying now (synchronously: the worker left the pool); `stop()` closes."""
+        for t in self._tasks:
+            t.cancel()
+
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()

@@ -111,6 +111,13 @@ class InflightTracker:
             wl.decode_blocks = 0.0
         return len(gone)
 
+    def forget(self, endpoint: str) -> None:
+        """The worker left the pool: drop every flight routed to it (their ends, if they
+        come, are then no-ops) and its counters, so a new worker at the address starts
+        clean."""
+        self.drop_endpoint(endpoint)
+        self.loads.pop(endpoint, None)
+
     def endpoint_of(self, request_id: str) -> str | None:
         """Where an in-flight request was routed, if it is still in flight."""
         f = self._flights.get(request_id)

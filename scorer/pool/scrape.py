@@ -48,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scorer.config import Config
 from scorer.pool.health import METRICS_REFUSED, describe, is_refusal
-from scorer.pool.workers import Pool, ScrapedLoad, Worker
+from scorer.pool.workers import Pool, PoolChange, ScrapedLoad, Worker
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,20 @@ class LoadScraper:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._warned_block_size: set[str] = set()
+        pool.subscribe(self._pool_changed)
+
+    def _pool_changed(self, change: PoolChange) -> None:
+        """A worker left: drop its per-endpoint series (pods churn; series must not grow)."""
+        if change.change != "removed":
+            return
+        ep = change.worker.endpoint
+        self._warned_block_size.discard(ep)
+        for gauge in (SCRAPE_STALE, SCRAPE_FAILURES, BLOCK_SIZE_MISMATCH):
+            with contextlib.suppress(KeyError):
+                gauge.remove(ep)
+        for result in ("ok", "error", "timeout", "bad_payload"):
+            with contextlib.suppress(KeyError):
+                SCRAPES.remove(ep, result)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -259,6 +273,8 @@ class LoadScraper:
         now = self.clock()
         stale_after = self.config.load.stale_after_s
         for w in workers:
+            if self.pool.get(w.endpoint) is not w:
+                continue  # left the pool during the round
             SCRAPE_STALE.labels(w.endpoint).set(
                 0 if fresh_scrape(w.scraped, now, stale_after) else 1
             )
@@ -284,6 +300,8 @@ class LoadScraper:
                 # (which confirms it on the serving port). Timeouts above are not evidence.
                 self.pool.report(worker.endpoint, METRICS_REFUSED, f"{type(e).__name__}: {e}")
             return self._failed(worker, "error", f"{type(e).__name__}: {e}")
+        if self.pool.get(worker.endpoint) is not worker:
+            return False  # left the pool while we waited: keep no series for it
         try:
             parsed = parse_metrics(text)
         except ValueError as e:
