@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz lint typecheck proto bench clean
+.PHONY: demo test fuzz lint typecheck proto bench clean manifests
 
 $(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
@@ -26,8 +26,8 @@ fuzz: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m hypothesis --hypothesis-profile=fuzz --hypothesis-show-statistics tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scorer tools tests bench
-	$(VENV)/bin/ruff format --check scorer tools tests bench
+	$(VENV)/bin/ruff check scorer tools tests bench deploy
+	$(VENV)/bin/ruff format --check scorer tools tests bench deploy
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -35,6 +35,10 @@ typecheck: $(STAMP)
 # Regenerate the scorer.v1 gRPC stubs (committed; tests/test_proto_stubs.py fails when stale).
 proto: $(STAMP)
 	$(PY) -m scorer.api.protogen
+
+# Re-render deploy/manifests/ from deploy/values.yaml (make test fails when they differ).
+manifests: $(STAMP)
+	$(PY) deploy/render.py --write
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
