@@ -37,6 +37,7 @@ def pod(i: int, ready: bool = True) -> dict[str, Any]:
             "namespace": "llm",
             "uid": f"u{i}",
             "labels": {"app": "vllm"},
+            "resourceVersion": str(1000 + 2 * i + (0 if ready else 1)),
         },
         "status": {
             "podIP": ip,

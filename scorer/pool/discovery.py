@@ -83,6 +83,7 @@ class PodView:
     state: str
     uid: str
     endpoints: tuple[PodEndpoint, ...]
+    resource_version: str | None = None
 
 
 def pool_spec(obj: Mapping[str, Any]) -> PoolSpec:
@@ -291,7 +292,7 @@ class PoolDiscovery:
         # Judge the pods we know by the new spec now (pods the new selector no longer
         # matches leave as "deselected", dropped ports as "port_removed") ...
         known = self.pod_informer.items if self.pod_informer is not None else {}
-        self._rebuild_views(known)
+        self._rebuild_views(known, fresh=True)
         if old is None or old.selector != spec.selector:
             # ... and list again: a new selector is a new result set (the informer's
             # resourceVersion belongs to the old query).
@@ -337,10 +338,21 @@ class PoolDiscovery:
         state = pod_state(pod, self.spec.selector)
         uid = str((pod.get("metadata") or {}).get("uid", ""))
         eps = tuple(pod_endpoints(pod, self.spec.ports)) if state == "ok" else ()
-        return PodView(state, uid, eps)
+        rv = (pod.get("metadata") or {}).get("resourceVersion")
+        return PodView(state, uid, eps, None if rv is None else str(rv))
 
-    def _rebuild_views(self, pods: Mapping[str, Mapping[str, Any]]) -> None:
-        self._views = {name: self._view(pod) for name, pod in pods.items()}
+    def _rebuild_views(self, pods: Mapping[str, Mapping[str, Any]], fresh: bool = False) -> None:
+        """Views of `pods`; a pod whose resourceVersion is unchanged keeps its view (a re-list
+        after 410 Gone re-reads only what changed) unless `fresh` (a new spec)."""
+        old = {} if fresh else self._views
+        views: dict[str, PodView] = {}
+        for name, pod in pods.items():
+            v = old.get(name)
+            rv = (pod.get("metadata") or {}).get("resourceVersion")
+            if v is None or v.resource_version is None or v.resource_version != str(rv):
+                v = self._view(pod)
+            views[name] = v
+        self._views = views
 
     def _pods_changed(self, name: str | None) -> None:
         informer = self.pod_informer
