@@ -259,7 +259,9 @@ class App:
         self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self.health_server.start()
         self.admin_port = await self.admin.start()
-        POOLS.add(self.config.pool.name, self.pool, self.config.load.stale_after_s)
+        # Label `name` of inference_pool_*: the InferencePool followed, else pool.name.
+        pool_name = self.config.pool.discovery.pool_name or self.config.pool.name
+        POOLS.add(pool_name, self.pool, self.config.load.stale_after_s)
         self.readiness.start()
         if not await self._open_gate():
             self._ready_task = asyncio.create_task(self._wait_ready(), name="readiness")
