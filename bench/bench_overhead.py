@@ -24,8 +24,10 @@ words: the sim's tokenizer and the scorer's stub tokenizer make one token of eac
 8 shared 256-token prefixes + a unique 32-token suffix. Per path x prompt kind x
 concurrency (1, 8, 32): `--repeats` runs of `--seconds` each; p50/p99 latency, requests/s,
 scorer CPU µs per request (utime+stime of the scorer process from /proc/PID/stat), the
-median over repeats and the spread (max - min) of each. Added latency is against `direct`
-in the same run. Writes bench/out/overhead.json and bench/out/overhead.png.
+median over repeats and the spread (max - min) of each. Added latency: each repeat of a
+cell first runs the same cell `direct`, and the added p50/p99 is the median over repeats
+of (path - direct), so machine load that moves over minutes cancels. Writes
+bench/out/overhead.json and bench/out/overhead.png.
 """
 
 from __future__ import annotations
@@ -263,13 +265,19 @@ def measure_path(
     concs: Sequence[int],
     repeats: int,
     seconds: float,
+    baseline: Sequence[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
+    """Every cell of one path. With `baseline` (the workers' ports), each repeat first runs
+    the same cell direct, so the added latency compares runs seconds apart (the machine's
+    load moves more than the overhead between paths measured minutes apart)."""
     cells: dict[str, dict[str, Any]] = {}
     for kind, rs in reqs.items():
         for conc in concs:
             samples: list[dict[str, Any]] = []
             cpu: list[float | None] = []
+            added: list[tuple[float, float]] = []
             for _ in range(repeats):
+                b = asyncio.run(run_cell(baseline, rs, conc, seconds)) if baseline else None
                 c0 = cpu_seconds(target.scorer_pid) if target.scorer_pid else None
                 s = asyncio.run(run_cell(target.ports, rs, conc, seconds))
                 samples.append(s)
@@ -277,17 +285,29 @@ def measure_path(
                     cpu.append((cpu_seconds(target.scorer_pid) - c0) / len(s["lat"]) * 1e6)
                 if not s["lat"]:
                     break  # every request failed (e.g. a router that rejects the prompt)
-            cells[f"{kind}/c{conc}"] = summarize(samples, cpu)
+                if b is not None and b["lat"]:
+                    added.append(
+                        (
+                            (pct(s["lat"], 0.5) - pct(b["lat"], 0.5)) * 1e3,
+                            (pct(s["lat"], 0.99) - pct(b["lat"], 0.99)) * 1e3,
+                        )
+                    )
+            cell = summarize(samples, cpu)
+            if added:
+                cell["added_p50_ms"] = statistics.median(a for a, _ in added)
+                cell["added_p99_ms"] = statistics.median(a for _, a in added)
+                cell["added_p50_spread_ms"] = max(a for a, _ in added) - min(a for a, _ in added)
+            cells[f"{kind}/c{conc}"] = cell
     return cells
 
 
 def add_deltas(results: dict[str, Any]) -> None:
-    """added_p50_ms / added_p99_ms against `direct` in the same run."""
+    """added_p50_ms / added_p99_ms against `direct` where not measured interleaved."""
     base = results.get("direct", {}).get("cells", {})
     for res in results.values():
         for key, cell in res.get("cells", {}).items():
             b = base.get(key)
-            if b and "p50_ms" in cell and "p50_ms" in b:
+            if b and "p50_ms" in cell and "p50_ms" in b and "added_p50_ms" not in cell:
                 cell["added_p50_ms"] = cell["p50_ms"] - b["p50_ms"]
                 cell["added_p99_ms"] = cell["p99_ms"] - b["p99_ms"]
 
@@ -394,7 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.monotonic()
             try:
                 with start_path(path, group, fleet, run_dir) as target:
-                    cells = measure_path(target, reqs, concs, args.repeats, args.seconds)
+                    base = [sp.port for sp in fleet.specs] if path != "direct" else None
+                    cells = measure_path(target, reqs, concs, args.repeats, args.seconds, base)
                 results[path] = {"cells": cells}
             except peer_mod.PeerError as e:
                 msg = str(e)
