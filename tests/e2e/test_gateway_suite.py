@@ -30,10 +30,8 @@ from scorer.envoyproc import GATEWAYS, render_gateway_config
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 
 TRANSPORTS = ("asyncio", "grpcio")
-# All three gateways send response bodies FULL_DUPLEX_STREAMED. Until the scorer answers
-# streamed response bodies (issue 10 item 1, the director's response path) the suite runs
-# with response bodies not sent; set this to "FULL_DUPLEX_STREAMED" when that lands.
-RESPONSE_BODY_MODE = "NONE"
+# All three gateways send response bodies FULL_DUPLEX_STREAMED, and so does the suite.
+RESPONSE_BODY_MODE = "FULL_DUPLEX_STREAMED"
 SETUPS = [(g, t) for g in GATEWAYS for t in TRANSPORTS]
 
 
