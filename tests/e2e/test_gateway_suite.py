@@ -22,6 +22,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from e2e_helpers import Backend, scorer_config, sse_events
+from prometheus_client import REGISTRY
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -112,7 +113,13 @@ async def test_get_models(gw: Setup) -> None:
         assert (await r.json())["method"] == "GET"
 
 
+def sample(metric: str) -> float:
+    labels = {"model_name": "m", "target_model_name": "m"}
+    return REGISTRY.get_sample_value(metric, labels) or 0.0
+
+
 async def test_sse_stream_every_byte_arrives(gw: Setup) -> None:
+    tokens_before = sample("inference_objective_output_tokens_sum")
     async with (
         aiohttp.ClientSession() as s,
         s.post(gw.url + "/stream?n=1000", data=completion(stream=True)) as r,
@@ -122,6 +129,9 @@ async def test_sse_stream_every_byte_arrives(gw: Setup) -> None:
         got = await r.read()
         name = got.rsplit(b"[DONE] ", 1)[-1].strip().decode()
     assert got == b"".join(sse_events(1000, name))
+    await wait_idle(gw.app)
+    # The last event's usage reached the inference extension's token metrics.
+    assert sample("inference_objective_output_tokens_sum") - tokens_before == 1000
 
 
 async def test_4mb_post(gw: Setup) -> None:
