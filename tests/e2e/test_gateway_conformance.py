@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e_helpers import Backend, scorer_config
+from configs import make_config
+from e2e_helpers import Backend
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -36,7 +37,7 @@ SHAPE = {"response_body_mode": "NONE", "picker_tls": False}
 @asynccontextmanager
 async def picker(name: str, endpoints: list[str]) -> AsyncIterator[App]:
     """A kv-scorer process-alike (in this process) picking for one pool."""
-    app = App(scorer_config(endpoints, pool={"name": name, "workers": endpoints}))
+    app = App(make_config(endpoints, pool={"name": name, "workers": endpoints}))
     await app.start()
     try:
         yield app
@@ -139,7 +140,7 @@ async def test_fail_open_when_the_picker_is_down(
     away. Upstream expects 200 after that; here each shape's real outcome is asserted
     (FAIL_OPEN above; Envoy AI Gateway always fails closed, so it has no row)."""
     eps = [x.endpoint for x in backends]
-    app = App(scorer_config(eps))
+    app = App(make_config(eps))
     await app.start()
     stopped = False
     try:

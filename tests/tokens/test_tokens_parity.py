@@ -50,6 +50,7 @@ def shared_tokens() -> Any:
 FAMILIES = [("qwen3", QWEN3), ("headers", HEADERS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "path"), FAMILIES)
 def test_corpus_multi_turn_matches_transformers(
     tokens: Tokenization, model: str, path: Path
@@ -249,6 +250,7 @@ def test_openai_content_format_and_generation_block(tokens: Tokenization) -> Non
     assert tokens.tokenize_body("qwen3", body).token_ids == ids
 
 
+@pytest.mark.slow
 def test_legacy_special_tokens_map(tmp_path: Path) -> None:
     """A repo whose BOS is only in special_tokens_map.json renders it like transformers."""
     d = tmp_path / "legacy"
@@ -291,6 +293,7 @@ _CONTENT = st.lists(
     st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _CONTENT), min_size=1, max_size=6),
     st.booleans(),
 )
+@pytest.mark.slow
 def test_random_chats_match_transformers(
     shared_tokens: Tokenization, turns: list[tuple[str, str]], thinking: bool
 ) -> None:
