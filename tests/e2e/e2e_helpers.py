@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -15,15 +17,16 @@ class Backend:
     name: str
     runner: web.AppRunner
     port: int
+    host: str = "127.0.0.1"
     release: asyncio.Event = field(default_factory=asyncio.Event)
     seen: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
 
-async def start_backend(name: str) -> Backend:
+async def start_backend(name: str, host: str = "127.0.0.1") -> Backend:
     """An echo backend: JSON with its name, the body's size and sha256, and the headers it
     got. `/sse` streams one event, waits for `release`, then sends the last one."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -44,6 +47,14 @@ async def start_backend(name: str) -> Backend:
                 b.release.clear()
             await resp.write_eof()
             return resp
+        if request.path == "/stream":
+            # A long SSE stream with known bytes (sse_events), flushed event by event.
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for ev in sse_events(int(request.query.get("n", "100")), b.name):
+                await resp.write(ev)
+            await resp.write_eof()
+            return resp
         if request.path == "/slow":
             await asyncio.sleep(float(request.query.get("s", "1")))
         return web.json_response(
@@ -60,12 +71,29 @@ async def start_backend(name: str) -> Backend:
     app.router.add_route("*", "/{tail:.*}", echo)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    b = Backend(name, runner, port)
+    b = Backend(name, runner, port, host)
     holder["b"] = b
     return b
+
+
+def sse_events(n: int, name: str) -> list[bytes]:
+    """The events `/stream?n=N` sends: N chunks of an OpenAI-style completion stream, the
+    last one with `usage`, then `[DONE]` (clients compare every byte)."""
+    out = []
+    for i in range(n):
+        chunk: dict[str, Any] = {
+            "id": "s",
+            "object": "text_completion",
+            "choices": [{"text": f"t{i} "}],
+        }
+        if i == n - 1:
+            chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}
+        out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    out.append(f"data: [DONE] {name}\n\n".encode())
+    return out
 
 
 def closed_port() -> int:
