@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_ext_proc_stubs_and_envoy_binary_in_one_venv() -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
 

@@ -166,6 +166,7 @@ def _check(frames: list[bytes]) -> None:
     ap.apply("w", msg.batch)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(150))
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
 def test_fuzz_random_frames(frames: list[bytes]) -> None:

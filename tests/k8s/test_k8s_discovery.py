@@ -169,6 +169,7 @@ async def test_rolling_restart_new_ips_and_deleting_pods_leave_first(
     assert reasons == ["deleting"] * 3
 
 
+@pytest.mark.slow
 async def test_ip_reused_by_another_pod_is_a_new_worker_purged_first(
     api: FakeKubeAPI, harness: Harness
 ) -> None:
@@ -242,6 +243,7 @@ async def test_pod_not_ready_under_load_gets_no_new_request(
     await harness.wait_for(eps)
 
 
+@pytest.mark.slow
 async def test_selector_change_relists_pods(api: FakeKubeAPI, harness: Harness) -> None:
     api.put(POOLS, inference_pool("vllm", {"app": "vllm"}, [8000]))
     blue = scale(api, 2, base=10, prefix="blue")
@@ -269,6 +271,7 @@ async def test_selector_change_relists_pods(api: FakeKubeAPI, harness: Harness) 
     assert harness.changes[-1][2] == "pool_deleted"
 
 
+@pytest.mark.slow
 async def test_api_server_restart_resumes_from_resource_version(
     api: FakeKubeAPI, harness: Harness
 ) -> None:

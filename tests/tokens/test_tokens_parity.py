@@ -21,6 +21,10 @@ from tokens_helpers import HEADERS, QWEN3, SNIPPETS, TOOLS, hf, make_tokens, ran
 
 from scorer.tokens import Tokenization, load_tokenizer, render_chat
 
+# Parity against transformers' apply_chat_template: seconds per test (imports and
+# renders with transformers); make test runs it, make test-quick does not.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tokens() -> Any:
@@ -50,7 +54,6 @@ def shared_tokens() -> Any:
 FAMILIES = [("qwen3", QWEN3), ("headers", HEADERS)]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("model", "path"), FAMILIES)
 def test_corpus_multi_turn_matches_transformers(
     tokens: Tokenization, model: str, path: Path
@@ -250,7 +253,6 @@ def test_openai_content_format_and_generation_block(tokens: Tokenization) -> Non
     assert tokens.tokenize_body("qwen3", body).token_ids == ids
 
 
-@pytest.mark.slow
 def test_legacy_special_tokens_map(tmp_path: Path) -> None:
     """A repo whose BOS is only in special_tokens_map.json renders it like transformers."""
     d = tmp_path / "legacy"
@@ -293,7 +295,6 @@ _CONTENT = st.lists(
     st.lists(st.tuples(st.sampled_from(["user", "assistant"]), _CONTENT), min_size=1, max_size=6),
     st.booleans(),
 )
-@pytest.mark.slow
 def test_random_chats_match_transformers(
     shared_tokens: Tokenization, turns: list[tuple[str, str]], thinking: bool
 ) -> None:
