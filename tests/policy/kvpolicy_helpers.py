@@ -12,6 +12,7 @@ from configs import make_config
 from scorer.config import Config
 from scorer.index import BlockIndex
 from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.policy.parts import Parts
 from scorer.pool.workers import Pool
 from scorer.routing import RoutingRequest
 
@@ -57,7 +58,7 @@ def make(
     cfg = make_config(workers, pool={"block_size": BLOCK}, policies=pol, **config)
     pool = Pool.from_config(cfg)
     index = BlockIndex(cfg.index)
-    ctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(seed), services={"index": index})
+    ctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(seed), parts=Parts(index=index))
     return Setup(cfg, pool, index, ctx, build_policy(policy, ctx, options))
 
 
