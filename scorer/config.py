@@ -121,6 +121,20 @@ class EventsConfig(Strict):
     stale_after_s: float = Field(30.0, gt=0)
     replay_timeout_s: float = Field(1.0, gt=0)
     reconnect_interval_s: float = Field(0.5, gt=0)
+    # Bounds per publisher (a hostile or broken publisher costs bounded memory and CPU).
+    # ZMQ MAXMSGSIZE of the SUB and replay sockets: a larger frame disconnects the peer
+    # before it is buffered (ZMQ reconnects; the gap is replayed).
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    # dp ranks one worker may announce; messages of further ranks are dropped (counted).
+    max_ranks_per_worker: int = Field(256, ge=1)
+    # Block hashes in one BlockStored/BlockRemoved event (1M tokens at block size 16 is
+    # 65,536); a larger event is dropped (counted).
+    max_blocks_per_event: int = Field(65_536, ge=1)
+    # Events per second per worker (token bucket, one second of burst); messages past it
+    # are dropped (counted).
+    max_events_per_s: float = Field(200_000.0, gt=0)
+    # A subscriber task that fails is restarted after this backoff (doubling up to 30 s).
+    restart_backoff_s: float = Field(0.1, gt=0)
 
 
 class IndexConfig(Strict):

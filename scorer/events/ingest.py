@@ -189,6 +189,8 @@ class EventIngest:
                     "replays": dict(sub.stats.replays),
                     "purges": dict(sub.stats.purges),
                     "decode_errors": dict(sub.stats.decode_errors),
+                    "drops": dict(sub.stats.drops),
+                    "restarts": sub.stats.restarts,
                     "unrecovered_gap": s.unrecovered_gap,
                     "bind_error": sub.stats.bind_error,
                 }
