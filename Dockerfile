@@ -1,5 +1,6 @@
-# kv-scorer: one image for the scorer (`serve`), the simulated workers (`sim`) and the
-# load generator (`demo --target`). Envoy runs from the official envoyproxy/envoy image.
+# kv-scorer runtime image: the scorer (`kv-scorer serve`) and nothing else. The simulator,
+# the load generator and the benchmarks are the kv-scorer-tools distribution, built into
+# their own image by tools/Dockerfile. Envoy runs from the official envoyproxy/envoy image.
 #   docker build -t kv-scorer:0.1.0 .
 FROM python:3.11.11-slim-bookworm
 
@@ -11,11 +12,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /opt/kv-scorer
 COPY pyproject.toml README.md ./
 COPY scorer ./scorer
-# Runtime dependencies are pinned in pyproject.toml. The stub tokenizer lets the scorer
-# accept the demo's token-id prompts for the model "bench-model" (ids are taken as they
-# are; the tokenizer never encodes anything).
-RUN pip install --no-compile . \
- && python -c "from pathlib import Path; from scorer.bench.e2e import write_stub_tokenizer; write_stub_tokenizer(Path('/opt/kv-scorer/tokenizer/tokenizer.json'))"
+# Runtime dependencies are pinned in pyproject.toml.
+RUN pip install --no-compile .
 
 # 65532: the conventional "nonroot" uid; nothing here needs root.
 USER 65532:65532

@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test fuzz lint typecheck proto bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# The runtime (scorer) and, as its own distribution, the tooling (tools/: sim, bench, demo).
+	$(PY) -m pip install --quiet -e '.[dev]' -e ./tools
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -25,8 +26,8 @@ fuzz: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m hypothesis --hypothesis-profile=fuzz --hypothesis-show-statistics tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scorer tests bench
-	$(VENV)/bin/ruff format --check scorer tests bench
+	$(VENV)/bin/ruff check scorer tools tests bench
+	$(VENV)/bin/ruff format --check scorer tools tests bench
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -42,7 +42,8 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scorer.envoyproc import EnvoyProcess, render_envoy_config  # noqa: E402
+from kvscorer_tools.envoyrun import EnvoyProcess  # noqa: E402
+from scorer.envoyproc import render_envoy_config  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 BodyMode = Literal["FULL_DUPLEX_STREAMED", "BUFFERED"]

@@ -9,7 +9,7 @@ A. `kv` policy over 64 workers, real BlockIndex, a 512-block prompt (8k tokens a
 B. The whole decision inside the scorer for a warm 8k-token chat request (second turn of a
    conversation; the segment cache and the index know the prefix): parse (JSON body) →
    tokenize (render + tokenize + hash, in the tokens thread pool) → match → score →
-   endpoint, through scorer.router.Router with the real Tokenization stage and the Qwen3
+   endpoint, through scorer.director.Director with the real Tokenization stage and the Qwen3
    tokenizer fixture. Target: total ≤ 1.5 ms p50. `hash` is timed separately on the same
    token ids (it runs inside the tokenize stage).
 
@@ -36,11 +36,10 @@ sys.path.insert(0, str(ROOT))
 from scorer.blocks import BlockHasher  # noqa: E402
 from scorer.config import Config  # noqa: E402
 from scorer.decisions import DecisionLog  # noqa: E402
-from scorer.extproc.protocol import parse_body  # noqa: E402
+from scorer.director import Director, parse_body  # noqa: E402
 from scorer.index import BlockIndex  # noqa: E402
 from scorer.policy.base import PolicyContext, build_policy  # noqa: E402
 from scorer.pool.workers import Pool  # noqa: E402
-from scorer.router import Router  # noqa: E402
 from scorer.routing import RoutingRequest  # noqa: E402
 from scorer.tokens.service import Tokenization  # noqa: E402
 
@@ -179,7 +178,7 @@ async def bench_whole(iterations: int) -> dict[str, Any]:
         services={"index": index, "tokens": tokens, "hasher": hasher},
     )
     policy = build_policy("kv", ctx, {})
-    router = Router(pool, policy, DecisionLog(1000), tokens)
+    director = Director(cfg, pool, policy, DecisionLog(1000), tokens)
     body = chat_body(8192, tokens)
     raw = msgspec.json.encode(body)
     # Warm: the conversation so far is cached on one worker (as its BlockStored events
@@ -198,8 +197,9 @@ async def bench_whole(iterations: int) -> dict[str, Any]:
             req = RoutingRequest(request_id=f"w{it}", model=doc["model"], body=doc)
             t_parse = time.perf_counter()
             req.stages["parse"] = t_parse - t0
-            d = await router.route(req)
+            d = await director.decide(req)
             total = time.perf_counter() - t0
+            director.response_ended(req.request_id)  # keep the load view steady
             assert d.endpoint is not None
             if it < 50:
                 continue

@@ -1,4 +1,4 @@
-"""Assemble and run the service: Config → Pool → components → Policy → Router → servers.
+"""Assemble and run the service: Config → Pool → components → Policy → Director → servers.
 
 Servers (the inference extension's ports by default):
   9002  gRPC: envoy.service.ext_proc.v3.ExternalProcessor, scorer.v1.Scorer, grpc.health.v1
@@ -22,6 +22,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,20 +31,21 @@ from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
 from scorer.api.health import Health
-from scorer.api.inference_metrics import POOLS
+from scorer.api.inference_metrics import POOLS, observe_completion
 from scorer.api.readiness import ReadinessGate
 from scorer.api.score import ScorerService
 from scorer.api.score import add_to_server as add_scorer
 from scorer.api.v1.scorer_pb2 import ScoreRequest
 from scorer.config import Config, ConfigError, load_config
 from scorer.decisions import DecisionLog
+from scorer.director import Director, RequestPreparer
 from scorer.extproc.servicer import ExtProcServicer
 from scorer.extproc.servicer import add_to_h2_server as add_extproc_h2
 from scorer.extproc.servicer import add_to_server as add_extproc
+from scorer.extproc.tls import TLS_HANDSHAKE_FAILURES, TlsMaterial
 from scorer.extproc.transport import H2GrpcServer, unary
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
-from scorer.router import RequestPreparer, Router
 
 log = logging.getLogger("scorer.app")
 
@@ -59,7 +61,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
     through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Router's RequestPreparer), "scrape".
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape".
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -133,7 +135,8 @@ class App:
         self.policy = make_policy(config, self.pool, self.services)
         preparer: RequestPreparer | None = self.services.get("tokens")
         self.decisions = DecisionLog(config.decisions.log_size)
-        self.router = Router(self.pool, self.policy, self.decisions, preparer)
+        self.director = Director(config, self.pool, self.policy, self.decisions, preparer)
+        self.services["events"].dry_run = self.director.dry_run
         self.health = Health()
         events = self.services.get("events")
         self.readiness = ReadinessGate(
@@ -146,8 +149,10 @@ class App:
             config.server.readiness_events_timeout_s,
         )
         self._ready_task: asyncio.Task[None] | None = None
-        self.extproc = ExtProcServicer(config, self.router)
-        self.scorer = ScorerService(self.router, self.services)
+        self.extproc = ExtProcServicer(config, self.director)
+        self.scorer = ScorerService(self.director, self.services.get("hasher"))
+        # The inference extension's request families, once per finished request.
+        self.director.completion_hooks.append(observe_completion)
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):
@@ -158,6 +163,8 @@ class App:
         self.extproc_h2: H2GrpcServer | None = None
         self.health_server: grpc.aio.Server | None = None
         self.extproc_port = s.extproc_port
+        # TLS material is read (or made) here so that a bad server.tls stops start-up.
+        self.tls = TlsMaterial(s.tls) if s.tls.enabled else None
         self.health_port = s.health_port
         self.admin_port = s.admin_port
         self._started: list[Any] = []
@@ -189,14 +196,29 @@ class App:
                 unary(self.health.servicer.Check),
                 HealthCheckRequest.FromString,
             )
-            self.extproc_port = await self.extproc_h2.start(s.host, s.extproc_port, s.reuse_port)
+            tls = self.tls
+            self.extproc_port = await self.extproc_h2.start(
+                s.host,
+                s.extproc_port,
+                s.reuse_port,
+                tls=tls.ssl_context if tls is not None else None,
+                on_tls_failure=lambda reason: TLS_HANDSHAKE_FAILURES.labels(reason).inc(),
+            )
         else:
             self.extproc_server = grpc.aio.server(options=opts)
             add_extproc(self.extproc, self.extproc_server)
             add_scorer(self.scorer, self.extproc_server)
             self.health.add_to_server(self.extproc_server)
-            self.extproc_port = self.extproc_server.add_insecure_port(f"{s.host}:{s.extproc_port}")
+            addr = f"{s.host}:{s.extproc_port}"
+            if self.tls is not None:
+                creds = self.tls.grpc_credentials()
+                self.extproc_port = self.extproc_server.add_secure_port(addr, creds)
+            else:
+                self.extproc_port = self.extproc_server.add_insecure_port(addr)
             await self.extproc_server.start()
+        if self.tls is not None:
+            await self.tls.start()
+        # Plaintext always: kubelet gRPC probes do not speak TLS (as the reference picker).
         self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self.health_server.start()
         self.admin_port = await self.admin.start()
@@ -205,7 +227,8 @@ class App:
         if not await self._open_gate():
             self._ready_task = asyncio.create_task(self._wait_ready(), name="readiness")
         log.warning(
-            "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d",
+            "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d "
+            "ext_proc_tls=%s",
             s.host,
             self.extproc_port,
             s.host,
@@ -214,6 +237,7 @@ class App:
             self.admin_port,
             self.policy.name,
             len(self.pool),
+            "off" if self.tls is None else "self-signed" if self.tls.self_signed else "on",
         )
 
     async def _open_gate(self) -> bool:
@@ -264,6 +288,8 @@ class App:
         if self.extproc_h2 is not None:
             await self.extproc_h2.stop(s.grace_period_s)
             self.extproc_h2 = None
+        if self.tls is not None:
+            await self.tls.stop()
         for c in reversed(self._started):
             try:
                 await _maybe_call(c, "stop")
@@ -323,6 +349,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--extproc-port", type=int, help="ext_proc gRPC port (default 9002)")
     p.add_argument("--health-port", type=int, help="gRPC health port (default 9003)")
     p.add_argument("--admin-port", type=int, help="admin HTTP port (default 9090)")
+    p.add_argument(
+        "--secure-serving",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="TLS on the ext_proc port (server.tls.enabled; self-signed without --cert-path)",
+    )
+    p.add_argument(
+        "--cert-path",
+        metavar="DIR",
+        help="directory with tls.crt and tls.key (server.tls.cert_file / key_file), "
+        "as the reference picker's --cert-path",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -340,6 +378,14 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         v = getattr(args, flag, None)
         if v is not None:
             server[key] = v
+    tls: dict[str, Any] = {}
+    if getattr(args, "secure_serving", None) is not None:
+        tls["enabled"] = args.secure_serving
+    if getattr(args, "cert_path", None):
+        tls["cert_file"] = str(Path(args.cert_path) / "tls.crt")
+        tls["key_file"] = str(Path(args.cert_path) / "tls.key")
+    if tls:
+        server["tls"] = tls
     if server:
         over["server"] = server
     if getattr(args, "worker", None):

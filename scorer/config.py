@@ -12,13 +12,43 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 ENV_PREFIX = "KV_SCORER_"
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class TlsConfig(Strict):
+    """TLS on the ext_proc port (both transports; ALPN h2). The health port stays plaintext
+    (kubelet gRPC probes do not speak TLS), as the reference picker's."""
+
+    # Off: plaintext h2c. On without cert_file/key_file: a self-signed certificate is made
+    # at start-up (the reference picker's --secure-serving without --cert-path).
+    enabled: bool = False
+    cert_file: str | None = None  # PEM chain; re-read when it changes (cert-manager)
+    key_file: str | None = Field(None, validate_default=True)  # PEM key, re-read with cert_file
+    # PEM CA bundle: clients must present a certificate it signed (mTLS).
+    client_ca_file: str | None = None
+    # How often cert_file / key_file are checked for a change; new connections get the
+    # new certificate, open ones keep theirs.
+    reload_interval_s: float = Field(5.0, gt=0)
+
+    @field_validator("key_file", mode="after")
+    @classmethod
+    def _pair(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if (v is None) != (info.data.get("cert_file") is None):
+            raise ValueError("cert_file and key_file are set together (or neither)")
+        return v
 
 
 class ServerConfig(Strict):
@@ -39,6 +69,7 @@ class ServerConfig(Strict):
     # 2-3x less CPU per stream) or "grpcio" (grpc.aio). Both serve ext_proc, scorer.v1
     # Score and health Check there; health Watch only on the health port with "asyncio".
     extproc_transport: Literal["asyncio", "grpcio"] = "asyncio"
+    tls: TlsConfig = Field(default_factory=TlsConfig)
     # Readiness (gRPC health "", "readiness", "inference-extension", the ext_proc name;
     # /readyz) waits at start-up until the pool has a worker and every KV-event stream
     # has connected, or this many seconds have passed since the servers bound (then it
@@ -165,6 +196,11 @@ class TokensConfig(Strict):
     segment_cache_bytes: int = Field(64 * 1024 * 1024, ge=0)
     # Map LoRA adapter names to their base model (they share its tokenizer).
     lora_base: dict[str, str] = Field(default_factory=dict)
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model names (its blocks live in the adapter's
+        namespace), or None for a base model. The one place a model name means LoRA."""
+        return model if model is not None and model in self.lora_base else None
 
 
 class LoadConfig(Strict):

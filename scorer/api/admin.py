@@ -8,6 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from scorer.decisions import DecisionLog
+from scorer.errors import json_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Route = tuple[str, str, Handler]
@@ -73,7 +74,7 @@ class AdminServer:
         try:
             limit = int(q.get("limit", "100"))
         except ValueError:
-            return web.json_response({"error": "limit must be an integer"}, status=400)
+            return json_error(400, "limit must be an integer", param="limit")
         items = self.decisions.query(
             limit=max(0, min(limit, 10_000)),
             model=q.get("model"),

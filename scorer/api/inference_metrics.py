@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -34,6 +34,9 @@ from prometheus_client.registry import Collector
 
 from scorer.pool.scrape import fresh_scrape
 from scorer.pool.workers import Pool
+
+if TYPE_CHECKING:
+    from scorer.director import Completion
 
 # ---------------------------------------------------------------- request families
 
@@ -198,6 +201,21 @@ def observe_request(r: RequestRecord) -> None:
         _child(OUTPUT_TOKENS, model, target).observe(r.output_tokens)
     if r.cached_tokens is not None:
         _child(CACHED_TOKENS, model, target).observe(r.cached_tokens)
+
+
+def observe_completion(c: Completion) -> None:
+    """A director completion hook (scorer.director): one finished request → the
+    inference_objective_* families."""
+    observe_request(
+        RequestRecord(
+            model=c.model or "",
+            routed=c.routed,
+            status=c.status or 0,
+            from_model_server=c.from_model_server,
+            duration_s=c.duration_s,
+            request_bytes=c.request_bytes,
+        )
+    )
 
 
 # ---------------------------------------------------------------- pool gauges

@@ -9,16 +9,17 @@ from typing import Any
 import grpc
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
-from scorer.router import Router
+from scorer.blocks import BlockHasher, namespace_key
+from scorer.director import Director
 from scorer.routing import Decision, RoutingRequest
 
 
 class ScorerService(scorer_pb2_grpc.ScorerServicer):
-    """`Score`: the same pipeline as the data path, without in-flight accounting."""
+    """`Score`: the director's decision as a dry run (no state changes anywhere)."""
 
-    def __init__(self, router: Router, services: dict[str, Any] | None = None) -> None:
-        self.router = router
-        self.services = services if services is not None else {}
+    def __init__(self, director: Director, hasher: BlockHasher | None = None) -> None:
+        self.director = director
+        self.hasher = hasher
         self._ids = itertools.count(1)
 
     async def Score(
@@ -35,7 +36,7 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
             subset=frozenset(request.subset) if request.subset else None,
             session_id=request.session_id or None,
             cache_salt=request.cache_salt or None,
-            lora=request.lora or None,
+            lora=request.lora or self.director.config.tokens.adapter_of(request.model),
         )
         which = request.WhichOneof("input")
         body: dict[str, Any] = {"model": request.model}
@@ -56,17 +57,15 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
             req.token_ids = ids
             req.prompt_tokens = len(ids)
             self._block_keys(req)
-        d = await self.router.route(req)
+        d = await self.director.decide(req, dry_run=True)
         return decision_to_proto(d)
 
     def _block_keys(self, req: RoutingRequest) -> None:
         """Token ids given directly: chain them into block keys when a hasher exists."""
-        hasher = self.services.get("hasher")
+        hasher = self.hasher
         if hasher is None or req.token_ids is None:
             return
-        from scorer.blocks import namespace_key  # the one hash space (scorer.blocks)
-
-        ns = namespace_key(req.lora, req.cache_salt)
+        ns = namespace_key(req.lora, req.cache_salt)  # the one hash space (scorer.blocks)
         req.block_keys = hasher.keys(req.token_ids, ns)
         req.block_size = hasher.block_size
 

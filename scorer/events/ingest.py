@@ -16,7 +16,7 @@ It starts one `Subscriber` per pool worker that has `events` configured (when
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
@@ -25,10 +25,12 @@ from aiohttp import web
 
 from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config
+from scorer.errors import json_error
 from scorer.events.apply import Applier
 from scorer.events.subscriber import StreamStatus, Subscriber
 from scorer.index import BlockIndex
 from scorer.pool import Pool
+from scorer.routing import Decision
 
 Tokenize = Callable[[str | None, dict[str, Any]], list[int] | None]
 
@@ -50,6 +52,9 @@ class EventIngest:
         self.hasher = hasher
         # Turns a /debug/score body with "prompt"/"messages" into token ids (scorer.tokens).
         self.tokenize = tokenize
+        # The director's dry run (set by the app once it exists): /debug/score then also
+        # shows the decision the policy would make now, without changing any state.
+        self.dry_run: Callable[[dict[str, Any]], Awaitable[Decision]] | None = None
         self.applier = Applier(index, hasher)
         self.subscribers: dict[str, Subscriber] = {}
         self._context: zmq.asyncio.Context | None = None
@@ -137,15 +142,17 @@ class EventIngest:
             return _error(400, "token_ids must be a list of non-negative 32-bit integers")
         salt = body.get("cache_salt")
         lora = body.get("lora_name")
-        if lora is None and isinstance(model, str) and model in self.config.tokens.lora_base:
-            lora = model  # the request names a LoRA adapter: its blocks live in its namespace
-        return web.json_response(
-            self.score(
-                ids,
-                lora if isinstance(lora, str) else None,
-                salt if isinstance(salt, str) else None,
-            )
+        if lora is None and isinstance(model, str):
+            lora = self.config.tokens.adapter_of(model)
+        out = self.score(
+            ids,
+            lora if isinstance(lora, str) else None,
+            salt if isinstance(salt, str) else None,
         )
+        if self.dry_run is not None and isinstance(model, str):
+            # What the policy would decide now, changing no state (the director's dry run).
+            out["decision"] = (await self.dry_run(body)).as_dict()
+        return web.json_response(out)
 
     def index_report(self) -> dict[str, Any]:
         """Per worker: blocks by medium, last seq per rank, event age, gaps, replays, ..."""
@@ -203,7 +210,4 @@ class EventIngest:
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "code": status}},
-        status=status,
-    )
+    return json_error(status, message)

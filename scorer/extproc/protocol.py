@@ -9,7 +9,7 @@ Sources for the wire facts used here:
 - Envoy v3 API `envoy/service/ext_proc/v3/external_processor.proto` (HeaderMutation,
   StreamedBodyResponse, ImmediateResponse) and `envoy/type/v3/http_status.proto`
   (StatusCode enum values equal the HTTP status codes).
-- OpenAI API error object: `{"error": {"message", "type", "param", "code"}}`.
+- Error bodies: the OpenAI error object of `scorer.errors`.
 
 Everything here is pure functions over protobufs, so the servicer stays a small state
 machine and these pieces are unit-testable without a channel.
@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -32,7 +31,6 @@ DESTINATION_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
-SESSION_HEADER = "x-session-affinity"
 REASON_HEADER = "x-kv-scorer-reason"
 MATCHED_HEADER = "x-kv-scorer-matched-tokens"
 # The inference extension streams mutated bodies back in chunks of at most this many bytes
@@ -42,18 +40,6 @@ BODY_CHUNK_BYTES = 62_000
 ProcessingMode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = ProcessingMode.BUFFERED
-
-_json_decoder = msgspec.json.Decoder()
-_json_encoder = msgspec.json.Encoder()
-
-
-class BadRequest(Exception):
-    """The request body cannot be routed (400 in the OpenAI error shape)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 # ---------------------------------------------------------------------------- headers
@@ -211,40 +197,14 @@ def continue_trailers() -> ep.ProcessingResponse:
     return resp
 
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    503: "service_unavailable",
-}
-
-
-def openai_error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> bytes:
-    """The OpenAI error object as JSON bytes."""
-    return _json_encoder.encode(
-        {
-            "error": {
-                "message": message,
-                "type": _ERROR_TYPES.get(status, "server_error"),
-                "param": param,
-                "code": code,
-            }
-        }
-    )
-
-
-def immediate_error(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> ep.ProcessingResponse:
-    """An ImmediateResponse with an OpenAI-shaped JSON error (content-type application/json)."""
+def immediate_response(status: int, json_body: bytes, details: str) -> ep.ProcessingResponse:
+    """An ImmediateResponse with a JSON body (content-type application/json)."""
     resp = ep.ProcessingResponse()
     ir = resp.immediate_response
     ir.status.code = status  # type: ignore[assignment]  # StatusCode values are HTTP codes
-    ir.body = openai_error_body(status, message, param, code)
+    ir.body = json_body
     ir.headers.set_headers.append(_set_header("content-type", "application/json"))
-    ir.details = code or message[:64]
+    ir.details = details
     return resp
 
 
@@ -263,27 +223,6 @@ def mode_override_skip_response() -> Any:
         response_body_mode=ProcessingMode.NONE,
         response_trailer_mode=ProcessingMode.SKIP,
     )
-
-
-# ---------------------------------------------------------------------------- body
-
-
-def parse_body(body: bytes) -> dict[str, Any]:
-    """Decode an OpenAI request body once; raise BadRequest (400) when it cannot be routed."""
-    try:
-        doc = _json_decoder.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRequest("request body must be a JSON object")
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("you must provide a model parameter", param="model")
-    return doc
-
-
-def truthy(value: str | None) -> bool:
-    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def join_endpoints(endpoints: Iterable[str]) -> str:

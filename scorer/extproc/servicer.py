@@ -12,19 +12,20 @@ State machine per stream (Envoy ext_proc v3, processing modes set in envoy/envoy
                      ─▶ body back in chunks ≤ 62,000 bytes (end_of_stream on the last)
                      ─▶ trailers response when the request had trailers
 
-    then, with extproc.track_responses: response_headers ─▶ first byte; stream end ─▶
-    finished (also on error / cancel). Without it the stream is closed right after the
-    routing answer (Envoy then continues the request without further calls; see
-    docs/envoy.md "track_responses").
+    then, with extproc.track_responses: response_headers ─▶ director.response_started;
+    stream end ─▶ director.response_ended (also on error / cancel). Without it the stream
+    is closed right after the routing answer (Envoy then continues the request without
+    further calls; see docs/envoy.md "track_responses").
 
-Errors become ImmediateResponses in the OpenAI error shape: 400 bad body, 413 body too
-large, 503 no eligible endpoint, 429 shed.
+Everything about the request itself (admission, refusal, decision, in-flight accounting)
+is scorer.director's; this module translates. Refusals become ImmediateResponses with the
+director's status and OpenAI error body: 400 bad body, 413 body too large, 503 no eligible
+endpoint, 429 shed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,13 +36,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from scorer.api.inference_metrics import RequestRecord, observe_request
 from scorer.config import Config
+from scorer.director import Director
 from scorer.extproc import protocol as P
 from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
-from scorer.policy.simple import least_loaded, load_score
-from scorer.router import Router
-from scorer.routing import Decision, Reason, RoutingRequest, refuse
+from scorer.routing import Decision
 
 log = logging.getLogger("scorer.extproc")
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
@@ -70,27 +69,21 @@ _STREAM_COUNTERS = {o: STREAMS.labels(o) for o in (*_OUTCOMES, "cancelled", "emp
 
 
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """`envoy.service.ext_proc.v3.ExternalProcessor` backed by a Router."""
+    """`envoy.service.ext_proc.v3.ExternalProcessor`: ext_proc messages → Director calls.
 
-    def __init__(self, config: Config, router: Router) -> None:
+    It only translates: what to route, refuse or count is the director's.
+    """
+
+    def __init__(self, config: Config, director: Director) -> None:
         self.config = config
-        self.router = router
-        self.pool = router.pool
-        self.inflight = router.pool.inflight
-        self.track_responses = config.extproc.track_responses
-        self.max_body = config.extproc.max_body_bytes
-        self.sheddable_header = config.extproc.sheddable_header.lower()
-        # The session policy's header option names the header we read the session id from.
-        session_opts = config.policies.get("session") or {}
-        self.session_header = str(session_opts.get("header", P.SESSION_HEADER)).lower()
+        self.director = director
+        self.track_responses = director.follows_responses
+        self.max_body = director.max_body_bytes
         self.decision_headers = config.extproc.decision_headers
-        self.block_size = config.pool.block_size
-        self.lora_names = frozenset(config.tokens.lora_base)
         self.draining = False
         # Handler tasks waiting in the response phase; release_streams() ends them cleanly.
         self._following: set[asyncio.Task[Any]] = set()
         self._releasing = False
-        self._ids = itertools.count(1)
         # Prebuilt constant responses (no per-request allocation for the common answers).
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
         self._continue_response_headers = P.continue_headers(response_path=True)
@@ -108,16 +101,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             _STREAM_COUNTERS["refused"].inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-scorer is shutting down")
         ACTIVE.inc()
-        t0 = time.perf_counter()
-        # The inference extension's request families (scorer/api/inference_metrics.py).
-        rec = RequestRecord(model="")
         rid: str | None = None
         outcome = "error"
+        ended = False  # the response ended in-band (end_of_stream or Envoy half-closed)
         try:
-            rid, outcome = await self._request_phase(context, rec)
+            rid, outcome = await self._request_phase(context)
             if rid is not None and self.track_responses:
-                await self._response_phase(rid, context, rec)
-                rec.duration_s = time.perf_counter() - t0
+                ended = await self._response_phase(rid, context)
         except (grpc.aio.AbortError, AbortStream):
             raise
         except asyncio.CancelledError:
@@ -138,15 +128,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             ACTIVE.dec()
             _STREAM_COUNTERS[outcome].inc()
             if rid is not None:
-                self.inflight.finished(rid)
-            if outcome not in ("empty", "refused") and (rec.routed or rec.status):
-                observe_request(rec)
+                # End of stream, or a reset/cancel before it: the director releases the
+                # request either way (reset when the response never completed here).
+                self.director.response_ended(rid, reset=not ended)
 
     # ------------------------------------------------------------------ request path
 
-    async def _request_phase(
-        self, context: StreamContext, rec: RequestRecord
-    ) -> tuple[str | None, str]:
+    async def _request_phase(self, context: StreamContext) -> tuple[str | None, str]:
         """Read the request, answer with the destination. Returns (in-flight id, outcome)."""
         msg = await context.read()
         if msg is _EOF:
@@ -157,21 +145,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # Request processing skipped by the proxy config: nothing to route here.
             await self._passthrough(msg, context)
             return None, "empty"
-        headers = P.header_map(msg.request_headers)
-        req = RoutingRequest(
-            request_id=headers.get("x-request-id") or f"r{next(self._ids)}",
-            path=headers.get(":path", "/"),
-            method=headers.get(":method", "POST"),
-            subset=P.subset_hint(msg),
-            session_id=headers.get(self.session_header),
-            sheddable=P.truthy(headers.get(self.sheddable_header)),
-        )
+        req = self.director.new_request(P.header_map(msg.request_headers), P.subset_hint(msg))
 
         if msg.request_headers.end_of_stream:
-            d = self.route_bodyless(req)
-            rec.routed, rec.status = bool(d.endpoints), 0 if d.endpoints else d.status
+            d = await self.director.request_received(req, None)
             await context.write(self._headers_answer(d))
-            return self._routed(req, d)
+            return self._routed(d)
 
         full_duplex = True
         if msg.HasField("protocol_config"):
@@ -195,14 +174,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     chunks.append(b)
                     size += len(b)
                 if size > self.max_body:
-                    rec.status = 413
-                    await context.write(
-                        P.immediate_error(
-                            413,
-                            f"request body larger than {self.max_body} bytes",
-                            code="body_too_large",
-                        )
-                    )
+                    await context.write(self._error_answer(self.director.too_large(req)))
                     return None, "too_large"
                 if m.request_body.end_of_stream or m.request_body.end_of_stream_without_message:
                     break
@@ -215,13 +187,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
         t0 = time.perf_counter()
-        d = await self.route_body(req, body)
+        d = await self.director.request_received(req, body)
         ROUTE_SECONDS.observe(time.perf_counter() - t0)
-        rec.model = req.model or ""
-        rec.request_bytes = size
-        rec.routed = bool(d.endpoints)
         if not d.endpoints:
-            rec.status = d.status
             await context.write(self._error_answer(d))
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint")
 
@@ -231,7 +199,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 await context.write(r)
         if trailers:
             await context.write(P.continue_trailers())
-        return self._routed(req, d)
+        return self._routed(d)
 
     def _routing_answer(self, d: Decision, full_duplex: bool) -> ep.ProcessingResponse:
         """The answer carrying the destination: headers answer (FULL_DUPLEX) or body answer
@@ -257,75 +225,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._answers[key] = resp
         return resp
 
-    async def route_body(self, req: RoutingRequest, body: bytes) -> Decision:
-        """Parse the body into `req` and route it (400 decision on a bad body)."""
-        if not body:
-            return self.route_bodyless(req)
-        t0 = time.perf_counter()
-        try:
-            doc = P.parse_body(body)
-        except P.BadRequest as e:
-            d = refuse(self.router.policy.name, Reason.BAD_REQUEST, 400, e.message)
-            d.notes.append(f"param={e.param}")
-            d.request_id = req.request_id
-            self.router.record(d)
-            return d
-        model: str = doc["model"]
-        req.model = model
-        req.body = doc
-        salt = doc.get("cache_salt")
-        if isinstance(salt, str) and salt:
-            req.cache_salt = salt
-        if model in self.lora_names:
-            req.lora = model
-        # Estimate until the tokens stage knows better (~4 bytes per token of JSON).
-        req.prompt_tokens = len(body) // 4
-        # The body decode is the data path's stage; the router merges it into the decision.
-        req.stages["parse"] = time.perf_counter() - t0
-        if self.pool.serves_model(model):
-            return await self.router.route(req)
-        d = refuse(
-            self.router.policy.name,
-            Reason.NO_WORKERS,
-            503,
-            f"the model {model!r} is not served here",
-        )
-        d.request_id = req.request_id
-        d.model = model
-        d.stages.update(req.stages)
-        self.router.record(d)
-        return d
-
-    def route_bodyless(self, req: RoutingRequest) -> Decision:
-        """Requests without a body (GET /v1/models) go to the least-loaded eligible worker."""
-        t0 = time.perf_counter()
-        candidates = self.pool.eligible(None, req.subset)
-        if not candidates:
-            reason = Reason.SUBSET_EMPTY if req.subset is not None else Reason.NO_WORKERS
-            d = refuse(self.router.policy.name, reason, 503, "no eligible endpoint")
-        else:
-            w = least_loaded(candidates, self.router.policy.ctx)
-            d = Decision(
-                endpoints=[w.endpoint],
-                reason=Reason.NO_BODY,
-                policy=self.router.policy.name,
-                candidates=[load_score(c) for c in candidates],
-            )
-        d.request_id = req.request_id
-        d.stages["total"] = time.perf_counter() - t0
-        self.router.record(d)
-        return d
-
-    def _routed(self, req: RoutingRequest, d: Decision) -> tuple[str | None, str]:
+    def _routed(self, d: Decision) -> tuple[str | None, str]:
+        """(id of the followed request or None, outcome) after the routing answer."""
         if not d.endpoints:
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint")
-        if not self.track_responses:
-            return None, "routed"
-        bs = req.block_size or self.block_size
-        total = req.prompt_tokens / bs
-        prefill = max(total - d.matched_tokens / bs, 0.0)
-        self.inflight.routed(req.request_id, d.endpoints[0], req.prompt_tokens, prefill, total)
-        return req.request_id, "routed"
+        rid = d.request_id if self.director.is_live(d.request_id) else None
+        return rid, "routed"
 
     def _mutation(self, d: Decision) -> ep.HeaderMutation:
         extra = None
@@ -344,11 +249,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     @staticmethod
     def _error_answer(d: Decision) -> ep.ProcessingResponse:
-        param = None
-        for n in d.notes:
-            if n.startswith("param="):
-                param = n[6:] if n[6:] != "None" else None
-        return P.immediate_error(d.status, d.message or str(d.reason), param, str(d.reason))
+        return P.immediate_response(d.status, Director.refusal_body(d), str(d.reason))
 
     # ------------------------------------------------------------------ response path
 
@@ -356,20 +257,22 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         rid: str,
         context: StreamContext,
-        rec: RequestRecord,
-    ) -> None:
-        """Follow the response until Envoy closes the stream (end of the HTTP exchange)."""
+    ) -> bool:
+        """Follow the response until Envoy closes the stream (end of the HTTP exchange).
+        Returns True when it ended in-band."""
         task = asyncio.current_task()
         if task is None or self._releasing:
-            return
+            return False
         self._following.add(task)
         try:
-            await self._follow(rid, context, rec)
+            await self._follow(rid, context)
+            return True
         except asyncio.CancelledError:
             if not self._releasing:
                 raise
             # Shutdown: end the stream with OK. Envoy then finishes the HTTP exchange
             # without us (a reset stream would make it abort a streaming response).
+            return False
         finally:
             self._following.discard(task)
 
@@ -386,7 +289,6 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         rid: str,
         context: StreamContext,
-        rec: RequestRecord,
     ) -> None:
         while True:
             m = await context.read()
@@ -395,14 +297,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
             if k == "response_headers":
-                status = P.response_status(m)
-                if status:
-                    rec.status, rec.from_model_server = status, True
-                served = P.served_endpoint(m)
-                if served is not None and served != self.inflight.endpoint_of(rid):
+                status = P.response_status(m) or None
+                if self.director.response_started(rid, status, P.served_endpoint(m)):
                     SERVED_MOVED.inc()
-                    self.inflight.moved(rid, served)
-                self.inflight.first_byte(rid)
                 await context.write(self._continue_response_headers)
                 if m.response_headers.end_of_stream:
                     return

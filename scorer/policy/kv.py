@@ -276,7 +276,7 @@ class CacheAwarePolicy(Policy):
                     )
                 )
         if j < 0:
-            d = refuse(self.name, Reason.SHED, 429, "every eligible worker is busy")
+            d = refuse(self.name, Reason.SHED, "every eligible worker is busy")
             d.candidates = scores
             d.stages["match"] = t_match - t0
             d.stages["score"] = t_score - t_match
@@ -320,7 +320,8 @@ class CacheAwarePolicy(Policy):
             if spilled is not None and spilled.matched_blocks > win.matched_blocks:
                 notes.append(f"spilled:{spilled.filtered}")
 
-        self.after_decision(win.endpoint, keys, win.matched_blocks)
+        if not request.dry_run:
+            self.after_decision(win.endpoint, keys, win.matched_blocks)
         d = Decision(
             endpoints=endpoints,
             reason=reason,

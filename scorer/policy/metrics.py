@@ -1,6 +1,6 @@
 """Decision metrics: matched-token ratio and decision latency by stage.
 
-Every decision, from the data path or the Score RPC, goes through `Router.record`, which
+Every decision, from the data path or the Score RPC, goes through `Director` bookkeeping, which
 calls `observe_decision` once: decisions by policy and reason, matched-token ratio and
 stage latencies.
 """

@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import xxhash
 from pydantic import Field, field_validator
@@ -27,13 +27,19 @@ from scorer.policy.cost import BusyOptions, busy_reason, load_terms
 from scorer.pool.workers import Worker
 from scorer.routing import Decision, Reason, RoutingRequest
 
+if TYPE_CHECKING:
+    from scorer.config import Config
+
+
+SESSION_HEADER = "x-session-affinity"
+
 
 class SessionOptions(BusyOptions):
     """`policies.session`."""
 
-    # Request header carrying the session id. The data path reads it into
-    # RoutingRequest.session_id (it must use this name when it is changed).
-    header: str = "x-session-affinity"
+    # Request header carrying the session id. The director reads it into
+    # RoutingRequest.session_id (see session_header), whatever the policy.
+    header: str = SESSION_HEADER
     # A binding unused for this long is forgotten (the next request is placed anew).
     idle_ttl_s: float = Field(600.0, gt=0)
     # Bound on remembered sessions; the least recently used are dropped first.
@@ -50,6 +56,13 @@ class SessionOptions(BusyOptions):
         if v == "session":
             raise ValueError("session cannot be layered over itself")
         return v
+
+
+def session_header(config: Config) -> str:
+    """The request header that carries the session id (`policies.session.header`)."""
+    raw = config.policies.get("session") or {}
+    header = raw.get("header", SESSION_HEADER) if isinstance(raw, dict) else SESSION_HEADER
+    return str(header).lower()
 
 
 @dataclass(slots=True)
@@ -114,9 +127,13 @@ class SessionPolicy(Policy):
         if not sid:
             return self._over(request, candidates)
         now = self.clock()
-        self._expire(now)
+        dry = request.dry_run
+        if not dry:
+            self._expire(now)
         notes: list[str] = []
         b = self.bindings.get(sid)
+        if b is not None and dry and now - b.last_used > self.options.idle_ttl_s:
+            b = None  # expired (a dry run reads, never expires)
         if b is not None:
             bound = next((w for w in candidates if w.endpoint == b.endpoint), None)
             if bound is None:
@@ -124,17 +141,20 @@ class SessionPolicy(Policy):
             else:
                 busy = self._busy(bound, now)
                 if busy is None:
-                    b.last_used = now
-                    self.bindings.move_to_end(sid)
+                    if not dry:
+                        b.last_used = now
+                        self.bindings.move_to_end(sid)
                     return self._decision(request, bound, Reason.SESSION, notes)
                 d = self._over(request, candidates)
                 d.notes.append(f"session_busy:{busy}")
-                b.last_used = now
+                if not dry:
+                    b.last_used = now
                 return d
         if self.options.place == "over":
             d = self._over(request, candidates)
             if d.endpoint is not None:
-                self._bind(sid, d.endpoint, now)
+                if not dry:
+                    self._bind(sid, d.endpoint, now)
                 d.notes.append(f"{Reason.SESSION_NEW}:{d.reason}")
                 d.notes.extend(notes)
             return d
@@ -142,7 +162,8 @@ class SessionPolicy(Policy):
         if not free:
             notes.append(str(Reason.BUSY_ALL))
         w = rendezvous(sid, free or candidates)
-        self._bind(sid, w.endpoint, now)
+        if not dry:
+            self._bind(sid, w.endpoint, now)
         return self._decision(request, w, Reason.SESSION_NEW, notes)
 
     def _decision(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions, register
@@ -36,10 +35,12 @@ class RoundRobin(Policy):
 
     def __init__(self, ctx: PolicyContext, options: SimpleOptions) -> None:  # type: ignore[override]
         super().__init__(ctx, options)
-        self._counter = itertools.count()
+        self._next = 0
 
     def decide(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
-        w = candidates[next(self._counter) % len(candidates)]
+        w = candidates[self._next % len(candidates)]
+        if not request.dry_run:
+            self._next += 1
         return Decision(
             endpoints=[w.endpoint, *self.fallbacks(w.endpoint, candidates, self.options.fallbacks)],
             reason=Reason.ROUND_ROBIN,

@@ -2,7 +2,7 @@
 
 `Tokenization` owns the tokenizer registry (one tokenizer per model, LoRA adapters share
 their base model's), the segment cache and a small thread pool, and implements the
-`RequestPreparer` protocol of scorer.router.
+`RequestPreparer` protocol of scorer.director.
 
 Completions (`prompt`): a string is tokenized with the tokenizer's default
 `add_special_tokens=True` (vLLM's default for /v1/completions); a list of ints is taken as
@@ -37,6 +37,7 @@ from prometheus_client import Counter, Histogram
 
 from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config, ConfigError
+from scorer.errors import json_error
 from scorer.routing import RoutingRequest
 from scorer.tokens.chat import ChatError, render_chat
 from scorer.tokens.registry import (
@@ -182,15 +183,15 @@ class Tokenization:
         try:
             body = await request.json()
         except ValueError:
-            return web.json_response({"error": "the body is not JSON"}, status=400)
+            return json_error(400, "the body is not JSON")
         model = request.query.get("model")
         loop = asyncio.get_running_loop()
         try:
             tp = await loop.run_in_executor(self._executor(), self.tokenize_body, model, body)
         except NoTokenizer as e:
-            return web.json_response({"error": str(e)}, status=404)
+            return json_error(404, str(e), param="model")
         except TokenizeError as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return json_error(400, str(e))
         return web.json_response(
             {
                 "model": tp.model,
@@ -251,8 +252,8 @@ class Tokenization:
         if lt is None and not is_token_id_prompt(body):
             raise NoTokenizer(f"no tokenizer for model {model!r}")
         base = self.base_model(model)
-        if lora is None and model is not None and model in self.lora_base:
-            lora = model
+        if lora is None:
+            lora = self.config.tokens.adapter_of(model)
         if cache_salt is None:
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):

@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scorer.bench.replay import ReplaySettings, RequestKeys, oracle_token_hit_rate, run_replay
-from scorer.bench.report import check_results_shape
-from scorer.bench.workloads import load_workload, mooncake_conversation
+from kvscorer_tools.bench.replay import (
+    ReplaySettings,
+    RequestKeys,
+    oracle_token_hit_rate,
+    run_replay,
+)
+from kvscorer_tools.bench.report import check_results_shape
+from kvscorer_tools.bench.workloads import load_workload, mooncake_conversation
 from scorer.cli import main
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from scorer.bench.e2e import LoadResult, counter_totals, summarize
-from scorer.bench.procs import metric_sums
-from scorer.bench.report import check_results_shape, format_table
+from kvscorer_tools.bench.e2e import LoadResult, counter_totals, summarize
+from kvscorer_tools.bench.procs import metric_sums
+from kvscorer_tools.bench.report import check_results_shape, format_table
 
 ROW = {
     "hit_rate": 0.5, "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0, "throughput_rps": 3.0,

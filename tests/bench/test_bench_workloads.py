@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scorer.bench.workloads import (
+from kvscorer_tools.bench.workloads import (
     MOONCAKE_BLOCK,
     default_trace_path,
     load_workload,

@@ -8,6 +8,7 @@ addresses, and every command line parses with the real `kv-scorer` parsers.
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from kvscorer_tools.bench.e2e import write_stub_tokenizer
 from scorer.cli import build_parser
 from scorer.config import load_config
 
@@ -51,21 +53,49 @@ def test_services_images_and_build() -> None:
     pinned = next(d for d in pyproject["project"]["optional-dependencies"]["envoy"])
     assert re.fullmatch(r"envoyproxy/envoy:v\d+\.\d+\.\d+", envoy_image)
     assert envoy_image.endswith("v" + pinned.split("==")[1])
+    version = pyproject["project"]["version"]
+    # The router runs the runtime image; the workers and the load generator the tooling one.
+    assert services["scorer"]["image"] == f"kv-scorer:{version}"
+    assert services["scorer"]["build"]["dockerfile"] == "Dockerfile"
+    for name in [*SIMS, "loadgen"]:
+        assert services[name]["image"] == f"kv-scorer-tools:{version}"
+        assert services[name]["build"]["dockerfile"] == "tools/Dockerfile"
     for name in [*SIMS, "scorer", "loadgen"]:
         svc = services[name]
-        assert svc["image"] == f"kv-scorer:{pyproject['project']['version']}"
         assert (ROOT / svc["build"]["context"] / svc["build"]["dockerfile"]).is_file()
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    base = re.search(r"^FROM (\S+)", dockerfile, re.M)
-    assert base is not None and re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base.group(1))
-    for src in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
-        for path in src.split():
-            assert (ROOT / path).exists(), f"Dockerfile copies missing {path}"
+    for rel in ("Dockerfile", "tools/Dockerfile"):
+        dockerfile = (ROOT / rel).read_text()
+        base = re.search(r"^FROM (\S+)", dockerfile, re.M)
+        assert base is not None and re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base.group(1))
+        for src in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+            for path in src.split():
+                assert (ROOT / path).exists(), f"{rel} copies missing {path}"
     for svc in services.values():
         for mount_src in _mounts(svc).values():
             if mount_src.startswith("./demo-out"):
                 continue  # output directory, created by compose
             assert (ROOT / mount_src).is_file(), mount_src
+
+
+def test_runtime_image_holds_no_tooling() -> None:
+    runtime = (ROOT / "Dockerfile").read_text()
+    instructions = "\n".join(
+        line for line in runtime.splitlines() if line and not line.startswith("#")
+    )
+    assert "tools" not in instructions and "kvscorer_tools" not in instructions
+    assert re.search(r"^RUN pip install --no-compile \.$", instructions, re.M)
+    tooling = (ROOT / "tools" / "Dockerfile").read_text()
+    assert re.search(r"^RUN pip install --no-compile \. \./tools$", tooling, re.M)
+
+
+def test_scorer_tokenizer_is_the_stub_the_benchmarks_write(tmp_path: Path) -> None:
+    services = _compose()["services"]
+    config = load_config(ROOT / "envoy" / "compose" / "scorer.yaml", environ={})
+    mounts = _mounts(services["scorer"])
+    path = config.tokens.models["bench-model"].tokenizer
+    assert path in mounts, f"{path} is not mounted into the scorer"
+    written = write_stub_tokenizer(tmp_path / "tokenizer.json")
+    assert json.loads((ROOT / mounts[path]).read_text()) == json.loads(written.read_text())
 
 
 def test_envoy_config_is_the_one_in_envoy_dir() -> None:

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from scorer.bench.report import check_results_shape
+from kvscorer_tools.bench.report import check_results_shape
 
 
 def _alive(pid: int) -> bool:
@@ -34,9 +34,17 @@ def _pids(out: Path) -> list[int]:
     return [int(line.split()[0]) for line in (out / "logs" / "pids").read_text().splitlines()]
 
 
+# Ctrl-C as in a terminal even when the tests run as a background job (whose children
+# inherit SIGINT ignored, and Python then installs no KeyboardInterrupt handler).
+_CLI = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from scorer.cli import main; sys.exit(main())"
+)
+
+
 def _demo(out: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "scorer.cli", "demo", "--small", "--out", str(out), *extra],
+        [sys.executable, "-c", _CLI, "demo", "--small", "--out", str(out), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

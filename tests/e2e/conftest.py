@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 import pytest_asyncio
 from e2e_helpers import SUBSET_FILTER, Backend, scorer_config, start_backend
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from scorer.envoyproc import render_envoy_config
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

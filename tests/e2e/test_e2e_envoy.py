@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from e2e_helpers import Backend
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
-from scorer.envoyproc import EnvoyProcess
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 DEST = "x-gateway-destination-endpoint"

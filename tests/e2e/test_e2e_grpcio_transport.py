@@ -17,8 +17,9 @@ from e2e_helpers import Backend, scorer_config
 from test_e2e_envoy import *  # noqa: F403  (re-run the suite on this transport)
 from test_e2e_envoy import body
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from scorer.envoyproc import render_envoy_config
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -10,8 +10,9 @@ import aiohttp
 import pytest
 from e2e_helpers import Backend, closed_port, scorer_config
 
+from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
+from scorer.envoyproc import render_envoy_config
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 BODY = json.dumps({"model": "m", "prompt": "hi"}).encode()

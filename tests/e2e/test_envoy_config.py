@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scorer.envoyproc import find_envoy, render_envoy_config, validate_config
+from kvscorer_tools.envoyrun import find_envoy, validate_config
+from scorer.envoyproc import render_envoy_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,12 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from scorer.envoyproc import (
-    GATEWAY_FILE_POOL,
-    GATEWAYS,
-    render_gateway_config,
-    validate_config,
-)
+from kvscorer_tools.envoyrun import validate_config
+from scorer.envoyproc import GATEWAY_FILE_POOL, GATEWAYS, render_gateway_config
 
 DIR = Path(__file__).resolve().parents[2] / "envoy" / "gateways"
 

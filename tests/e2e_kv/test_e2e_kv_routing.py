@@ -1,7 +1,7 @@
 """End to end through a real Envoy: KV-aware routing fed by real-format vLLM KV events.
 
 Three simulated workers (real HTTP servers) each publish vLLM's ZMQ KV events
-(scorer.sim.kvevents, map era) for the prompts they serve and expose a vLLM /metrics page
+(kvscorer_tools.sim.kvevents, map era) for the prompts they serve and expose a vLLM /metrics page
 whose waiting queue the test controls. The scorer runs in process with the `kv` policy, its
 tokenizer, event subscribers and metrics scraper; speculative inserts are OFF
 (index.speculative_ttl_s = 0) so every cache hit comes from the engines' events.
@@ -27,11 +27,12 @@ import pytest_asyncio
 import xxhash
 from aiohttp import web
 
+from kvscorer_tools.envoyrun import EnvoyProcess
+from kvscorer_tools.sim.kvevents import KVEventPublisher, block_stored
 from scorer.app import App
 from scorer.blocks import BlockHasher
 from scorer.config import load_config
-from scorer.envoyproc import EnvoyProcess, render_envoy_config
-from scorer.sim.kvevents import KVEventPublisher, block_stored
+from scorer.envoyproc import render_envoy_config
 from scorer.tokens.service import Tokenization
 
 pytestmark = pytest.mark.envoy

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scorer.sim.cache import CacheFullError, PrefixCache
-from scorer.sim.timing import TimingModel, decode_ms_per_token, prefill_ms
+from kvscorer_tools.sim.cache import CacheFullError, PrefixCache
+from kvscorer_tools.sim.timing import TimingModel, decode_ms_per_token, prefill_ms
 
 
 def test_hit_miss_and_counters_in_tokens() -> None:

@@ -12,9 +12,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from scorer.sim.cache import vllm_block_hashes
-from scorer.sim.kvevents import END_SEQ, KVEventPublisher, block_removed
-from scorer.sim.worker import SimConfig, SimWorker
+from kvscorer_tools.sim.cache import vllm_block_hashes
+from kvscorer_tools.sim.kvevents import END_SEQ, KVEventPublisher, block_removed
+from kvscorer_tools.sim.worker import SimConfig, SimWorker
 
 BS = 4
 

@@ -10,9 +10,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from scorer.sim.kvevents import KVEventPublisher, all_blocks_cleared
-from scorer.sim.prompts import HFTokenizer, SyntheticTokenizer
-from scorer.sim.worker import SimConfig, running_workers
+from kvscorer_tools.sim.kvevents import KVEventPublisher, all_blocks_cleared
+from kvscorer_tools.sim.prompts import HFTokenizer, SyntheticTokenizer
+from kvscorer_tools.sim.worker import SimConfig, running_workers
 
 QWEN3 = Path(__file__).resolve().parents[1] / "fixtures/tokenizers/qwen3"
 

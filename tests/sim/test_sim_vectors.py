@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from scorer.sim.cache import vllm_block_hashes
-from scorer.sim.kvevents import (
+from kvscorer_tools.sim.cache import vllm_block_hashes
+from kvscorer_tools.sim.kvevents import (
     Era,
     all_blocks_cleared,
     block_removed,

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scorer.sim.worker import SimConfig, SimWorker, running_workers
+from kvscorer_tools.sim.worker import SimConfig, SimWorker, running_workers
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -315,7 +315,7 @@ async def test_debug_tokenize_route_over_real_http(tokens: Tokenization) -> None
             async with http.post(url + "?model=nope", json=body) as r:
                 assert r.status == 404
             async with http.post(url, json={"model": "qwen3", "messages": 3}) as r:
-                assert r.status == 400 and "messages" in (await r.json())["error"]
+                assert r.status == 400 and "messages" in (await r.json())["error"]["message"]
             async with http.post(url, data=b"{not json") as r:
                 assert r.status == 400
     finally:

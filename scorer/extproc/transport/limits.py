@@ -30,3 +30,5 @@ RESET_BUDGET = 1000
 RESET_REFILL_PER_S = 100.0
 # Largest gRPC message accepted (server.max_message_bytes).
 MAX_MESSAGE = 80 * 1024 * 1024
+# A TLS client has this long to complete its handshake before the socket is closed.
+TLS_HANDSHAKE_TIMEOUT = 10.0

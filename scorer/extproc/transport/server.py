@@ -1,10 +1,11 @@
-"""The asyncio gRPC server: listen (optionally SO_REUSEPORT), accept HTTP/2 connections,
-run each call's handler and end its stream with the handler's status, graceful stop."""
+"""The asyncio gRPC server: listen (optionally SO_REUSEPORT, optionally TLS), accept HTTP/2
+connections, run each call's handler and end its stream with the handler's status, graceful stop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,10 @@ from scorer.extproc.transport.limits import (
     MAX_STREAMS,
     RESET_BUDGET,
     RESET_REFILL_PER_S,
+    TLS_HANDSHAKE_TIMEOUT,
 )
 from scorer.extproc.transport.stream import AbortStream, H2Stream, Handler
+from scorer.extproc.transport.tls_transport import TlsTransport
 
 log = logging.getLogger("scorer.extproc.transport")
 
@@ -32,6 +35,7 @@ class H2GrpcServer:
         max_header_list: int = MAX_HEADER_LIST,
         reset_budget: int = RESET_BUDGET,
         reset_refill_per_s: float = RESET_REFILL_PER_S,
+        tls_handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT,
     ) -> None:
         self.max_message = max_message
         self.max_streams = max_streams
@@ -43,6 +47,9 @@ class H2GrpcServer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.draining = False
         self._server: asyncio.Server | None = None
+        self.tls_handshake_timeout = tls_handshake_timeout
+        self.tls_failures: dict[str, int] = {}  # failed TLS handshakes by reason
+        self._on_tls_failure: Callable[[str], None] | None = None
 
     def add_handler(
         self, path: str, handler: Handler, deserialize: Callable[[bytes], Any] | None = None
@@ -50,13 +57,40 @@ class H2GrpcServer:
         """Serve `path` ("/package.Service/Method") with a bidi-stream handler."""
         self.handlers[path] = (handler, deserialize)
 
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
-        """Listen; returns the bound port."""
+    async def start(
+        self,
+        host: str,
+        port: int,
+        reuse_port: bool = False,
+        *,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        on_tls_failure: Callable[[str], None] | None = None,
+    ) -> int:
+        """Listen; returns the bound port. `tls`: the SSLContext for each new connection
+        (called per connection, so a reloaded certificate applies to new ones);
+        `on_tls_failure(reason)` is told of each failed handshake."""
         loop = asyncio.get_running_loop()
+        factory: Callable[[], asyncio.Protocol]
+        if tls is None:
+            factory = lambda: H2Connection(self)  # noqa: E731
+        else:
+            get_ctx = tls
+
+            def factory() -> asyncio.Protocol:
+                return TlsTransport(
+                    get_ctx(), H2Connection(self), self._tls_failed, self.tls_handshake_timeout
+                )
+
+        self._on_tls_failure = on_tls_failure
         self._server = await loop.create_server(
-            lambda: H2Connection(self), host, port, reuse_port=reuse_port or None, backlog=1024
+            factory, host, port, reuse_port=reuse_port or None, backlog=1024
         )
         return int(self._server.sockets[0].getsockname()[1])
+
+    def _tls_failed(self, reason: str) -> None:
+        self.tls_failures[reason] = self.tls_failures.get(reason, 0) + 1
+        if self._on_tls_failure is not None:
+            self._on_tls_failure(reason)
 
     async def run(self, stream: H2Stream, handler: Handler) -> None:
         """Run one call's handler and end the stream with its status."""

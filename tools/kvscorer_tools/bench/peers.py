@@ -10,7 +10,7 @@
   ``--kv-event-source WORKER_URL=ENDPOINT``, ``--kv-event-replay-source``,
   ``--kv-event-block-size``, ``--kv-event-model``.
 
-Both are optional (``pip install -e '.[bench]'``). A peer that is not installed, does not
+Both are optional (``pip install -e './tools[peers]'``). A peer that is not installed, does not
 start or fails its requests gets ``{"error": "..."}`` in the results and the run goes on.
 """
 
@@ -20,11 +20,11 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
-from scorer.bench.procs import ProcError, ProcGroup, free_port, http_get, wait_until
+from kvscorer_tools.bench.procs import ProcError, ProcGroup, free_port, http_get, wait_until
 
 if TYPE_CHECKING:
-    from scorer.bench.e2e import E2ESettings, SimFleet
-    from scorer.bench.workloads import Workload
+    from kvscorer_tools.bench.e2e import E2ESettings, SimFleet
+    from kvscorer_tools.bench.workloads import Workload
 
 PEERS = {
     "sglang_cache_aware": "sglang_router",
@@ -71,13 +71,13 @@ def run_peer(
     name: str, group: ProcGroup, fleet: SimFleet, wl: Workload, settings: E2ESettings
 ) -> dict[str, Any]:
     """Start peer `name` in front of `fleet`, run the workload through it, stop it."""
-    from scorer.bench.e2e import run_load, summarize
+    from kvscorer_tools.bench.e2e import run_load, summarize
 
     module = PEERS.get(name)
     if module is None:
         raise PeerError(f"unknown peer {name!r}")
     if importlib.util.find_spec(module) is None:
-        raise PeerError(f"{module} is not installed (pip install -e '.[bench]')")
+        raise PeerError(f"{module} is not installed (pip install -e './tools[peers]')")
     fleet.reset()
     port = free_port()
     proc = group.start(name, peer_argv(name, fleet, settings, port))

@@ -35,16 +35,17 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from scorer.sim.cache import PrefixCache, VllmBlockHash, vllm_block_hashes
-from scorer.sim.kvevents import (
+from kvscorer_tools.sim.cache import PrefixCache, VllmBlockHash, vllm_block_hashes
+from kvscorer_tools.sim.kvevents import (
     Era,
     KVEventPublisher,
     all_blocks_cleared,
     block_removed,
     block_stored,
 )
-from scorer.sim.metrics import SimMetrics
-from scorer.sim.timing import TimingModel
+from kvscorer_tools.sim.metrics import SimMetrics
+from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.timing import TimingModel
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class SimRequest:
             if tok is None:
                 return
             yield tok
+
+
+def _block_values(req: SimRequest) -> list[int]:
+    return [h.value for h in req.hashes]
 
 
 class Engine:
@@ -241,31 +246,24 @@ class Engine:
             i = j
 
     def _schedule(self) -> tuple[list[SimRequest], int]:
-        admitted: list[SimRequest] = []
-        budget_used = 0
-        bs = self.block_size
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            req = self.waiting[0]
-            values = [h.value for h in req.hashes]
-            # vLLM caps the hit so the last prompt token is always computed.
-            lookup = values[: (req.prompt_tokens - 1) // bs]
-            matched = self.cache.match(lookup)
-            uncached = req.prompt_tokens - matched * bs
-            if admitted and budget_used + uncached > self.max_num_batched_tokens:
-                break
-            if not self.cache.can_admit(values, req.extra_blocks):
-                break
-            self.waiting.popleft()
-            self.cache.lookup(lookup, req.prompt_tokens)
-            req.cached_tokens = matched * bs
-            self.metrics.prefix_queries.inc(req.prompt_tokens)
-            self.metrics.prefix_hits.inc(req.cached_tokens)
-            self.metrics.prompt_tokens.inc(req.prompt_tokens)
-            stored = self.cache.admit(values, req.extra_blocks)
-            self._stored_events(req, stored)
-            admitted.append(req)
-            budget_used += uncached
-        return admitted, budget_used
+        step = schedule_step(
+            self.waiting,
+            len(self.running),
+            self.cache,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_keys=_block_values,
+            on_admit=self._admitted,
+        )
+        return [a.request for a in step.admitted], step.prefill_tokens
+
+    def _admitted(self, a: Admission[SimRequest]) -> None:
+        req = a.request
+        req.cached_tokens = a.cached_tokens
+        self.metrics.prefix_queries.inc(req.prompt_tokens)
+        self.metrics.prefix_hits.inc(req.cached_tokens)
+        self.metrics.prompt_tokens.inc(req.prompt_tokens)
+        self._stored_events(req, a.stored)
 
     async def _loop(self) -> None:
         while True:
@@ -283,9 +281,7 @@ class Engine:
                 continue
             self.running.extend(admitted)
             self._update_gauges()
-            ms = self.timing.prefill_ms(prefill_tokens) + self.timing.decode_ms_per_token(
-                len(decoding)
-            )
+            ms = self.timing.step_ms(prefill_tokens, len(decoding))
             start = max(self._clock, time.monotonic())
             end = start + self.timing.wall_s(ms)
             await asyncio.sleep(max(end - time.monotonic(), 0.0))

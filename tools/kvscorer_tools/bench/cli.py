@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from scorer.bench import report
-from scorer.bench.workloads import WORKLOADS, Workload, load_workload, oracle_block_hit_rate
+from kvscorer_tools.bench import report
+from kvscorer_tools.bench.workloads import WORKLOADS, Workload, load_workload, oracle_block_hit_rate
 
 REPLAY_DEFAULT = "kv,approx,round_robin,least_loaded"
 E2E_DEFAULT = "kv,approx,round_robin,sglang_cache_aware,vllm_router_kv_aware"
@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
             "Routing-quality benchmark. --mode replay: a deterministic discrete-event "
             "replay of our policies against simulated workers (whole traces in minutes). "
             "--mode e2e: real traffic through Envoy, the scorer and `kv-scorer sim` "
-            "workers, plus peer routers when installed (pip install -e '.[bench]')."
+            "workers, plus peer routers when installed (pip install -e './tools[peers]')."
         ),
     )
     p.add_argument("--workload", default="mooncake-conversation", choices=sorted(WORKLOADS))
@@ -152,7 +152,7 @@ def oracle_entry(wl: Workload, block_size: int, keys: Any = None) -> dict[str, A
     """The oracle: infinite-cache hit ratio (block level; token level when keys given)."""
     entry: dict[str, Any] = {"hit_rate": round(oracle_block_hit_rate(wl, block_size), 4)}
     if keys is not None:
-        from scorer.bench.replay import oracle_token_hit_rate
+        from kvscorer_tools.bench.replay import oracle_token_hit_rate
 
         entry["hit_rate_tokens"] = round(oracle_token_hit_rate(wl, keys), 4)
     return entry
@@ -160,7 +160,7 @@ def oracle_entry(wl: Workload, block_size: int, keys: Any = None) -> dict[str, A
 
 def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) -> dict[str, Any]:
     """All policies (and optionally the capacity sweep) in the discrete-event replay."""
-    from scorer.bench.replay import ReplaySettings, RequestKeys, run_replay
+    from kvscorer_tools.bench.replay import ReplaySettings, RequestKeys, run_replay
 
     t = time.perf_counter()
     keys = RequestKeys(wl, args.block_size)
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "replay":
         body = run_replay_mode(args, wl, policies)
     else:
-        from scorer.bench.e2e import E2ESettings, run_e2e
+        from kvscorer_tools.bench.e2e import E2ESettings, run_e2e
 
         es = E2ESettings(
             workers=args.workers,

@@ -6,7 +6,7 @@ Topology per run (all on 127.0.0.1, ports chosen at run time):
                                └──ORIGINAL_DST──▶ `kv-scorer sim` x N ──ZMQ KV events──▶ scorer
 
 Peers (sglang-router `cache_aware`, vllm-router `kv_aware`) front the same simulated
-workers directly (see scorer.bench.peers). Between policies every worker's prefix cache
+workers directly (see kvscorer_tools.bench.peers). Between policies every worker's prefix cache
 is reset (`POST /reset_prefix_cache`), so each policy starts cold.
 
 Time: the simulated workers run `speed` times faster than their model's time
@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from scorer.bench.procs import (
+from kvscorer_tools.bench.procs import (
     Proc,
     ProcError,
     ProcGroup,
@@ -48,8 +48,8 @@ from scorer.bench.procs import (
     scorer_ports,
     wait_until,
 )
-from scorer.bench.replay import imbalance, percentile
-from scorer.bench.workloads import BenchRequest, Workload
+from kvscorer_tools.bench.replay import imbalance, percentile
+from kvscorer_tools.bench.workloads import BenchRequest, Workload
 
 MODEL = "bench-model"
 SESSION_HEADER = "x-session-affinity"  # scorer.extproc.protocol.SESSION_HEADER
@@ -450,7 +450,8 @@ class ScorerRun:
 
     def ready(self, timeout_s: float = 60.0) -> ScorerRun:
         """Wait for the scorer's ports, then start Envoy in front of it."""
-        from scorer.envoyproc import EnvoyProcess, render_envoy_config
+        from kvscorer_tools.envoyrun import EnvoyProcess
+        from scorer.envoyproc import render_envoy_config
 
         if self.scorer is None:
             self.launch()
@@ -607,7 +608,7 @@ def run_e2e(
     wl: Workload, policies: Sequence[str], settings: E2ESettings, log: Log = print
 ) -> dict[str, dict[str, Any]]:
     """Every policy (ours and peers) on the same fleet; peers that fail get {"error"}."""
-    from scorer.bench import peers
+    from kvscorer_tools.bench import peers
 
     group = ProcGroup(settings.run_dir / "logs")
     results: dict[str, dict[str, Any]] = {}

@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from scorer.sim.worker import SimConfig, SimWorker
+from kvscorer_tools.sim.worker import SimConfig, SimWorker
 
 
 def register(subparsers: Any) -> None:

@@ -18,7 +18,7 @@ Workloads:
   real GPUs; on this 2-core machine the default rate is 4 req/s (``rate``), which keeps 8
   simulated workers busy but not saturated; the lengths are unchanged.
 * ``mooncake-conversation``: the Mooncake FAST'25 conversation trace (12,031 requests over
-  one hour, bundled in scorer/bench/data/, see PROVENANCE.md). Each hash id becomes one
+  one hour, bundled in kvscorer_tools/bench/data/, see PROVENANCE.md). Each hash id becomes one
   512-token segment, so requests that share hash ids share tokens exactly; timestamps,
   input and output lengths come from the trace (the prompt is the hash ids' tokens cut
   to ``input_length``, so the last block is usually partial, as in the trace).
@@ -297,7 +297,7 @@ def chat(
 
 def default_trace_path() -> Path:
     """The bundled Mooncake conversation trace."""
-    return Path(str(resources.files("scorer.bench") / "data" / "conversation_trace.jsonl"))
+    return Path(str(resources.files("kvscorer_tools.bench") / "data" / "conversation_trace.jsonl"))
 
 
 def read_mooncake(path: str | Path | None = None) -> list[dict[str, Any]]:

@@ -23,9 +23,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from scorer.bench import report
-from scorer.bench.cli import parse_policy_options
-from scorer.bench.e2e import (
+from kvscorer_tools.bench import report
+from kvscorer_tools.bench.cli import parse_policy_options
+from kvscorer_tools.bench.e2e import (
     E2ESettings,
     SimFleet,
     SimSpec,
@@ -34,8 +34,8 @@ from scorer.bench.e2e import (
     run_ours,
     summarize,
 )
-from scorer.bench.procs import ProcError, ProcGroup, http_get, wait_until
-from scorer.bench.workloads import Workload, load_workload, oracle_block_hit_rate
+from kvscorer_tools.bench.procs import ProcError, ProcGroup, http_get, wait_until
+from kvscorer_tools.bench.workloads import Workload, load_workload, oracle_block_hit_rate
 
 POLICIES = ("kv", "approx", "round_robin")
 

@@ -27,11 +27,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from scorer.sim.engine import Engine, RequestRejected, SimRequest
-from scorer.sim.kvevents import Era, KVEventPublisher, ReplayLayout, SocketMode
-from scorer.sim.metrics import SimMetrics
-from scorer.sim.prompts import PromptError, SimTokenizer, load_tokenizer
-from scorer.sim.timing import TimingModel
+from kvscorer_tools.sim.engine import Engine, RequestRejected, SimRequest
+from kvscorer_tools.sim.kvevents import Era, KVEventPublisher, ReplayLayout, SocketMode
+from kvscorer_tools.sim.metrics import SimMetrics
+from kvscorer_tools.sim.prompts import PromptError, SimTokenizer, load_tokenizer
+from kvscorer_tools.sim.timing import TimingModel
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 Nothing here touches the network or the wall clock. Time is simulated: a heap of events
 (arrivals, engine-step ends, metric scrapes). Each simulated worker is stepped like the
-simulated worker's engine (`scorer.sim.engine.Engine`), over the same
-`scorer.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
-`scorer.sim.timing.TimingModel`:
+simulated worker's engine (`kvscorer_tools.sim.engine.Engine`), over the same
+`kvscorer_tools.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
+`kvscorer_tools.sim.timing.TimingModel`:
 
 * a step schedules waiting requests FIFO (never skipping the head) while fewer than
   `max_num_seqs` run, their uncached prompt tokens fit `max_num_batched_tokens` (the first
@@ -20,13 +20,14 @@ simulated worker's engine (`scorer.sim.engine.Engine`), over the same
 * a request whose blocks exceed the worker's KV pool is rejected (an error).
 
 The routing side is the real one: `scorer.policy.build_policy` with a real `Pool`,
-`PolicyContext` and `BlockIndex` (``ctx.services["index"]``), the router's
-`InflightTracker` driven by the simulated lifecycle (routed at arrival, first byte at the end
-of prefill, finished at the last token) and the scraped load refreshed every
-`scrape_interval_s` of simulated time. The index is fed from the simulated workers'
-stores and evictions — what their KV-event streams would carry — through a direct apply
-path with our own block keys (no ZMQ, no engine-hash mapping; the simulated worker's
-"engine hash" *is* our key), `event_delay_s` after the fact.
+`PolicyContext` and `BlockIndex` (``ctx.services["index"]``), decided and accounted by the
+data path's own `scorer.director.Director` driven by the simulated lifecycle (request
+received at arrival, response started at the end of prefill, ended at the last token) and
+the scraped load refreshed every `scrape_interval_s` of simulated time. The index is fed
+from the simulated workers' stores and evictions — what their KV-event streams would
+carry — through a direct apply path with our own block keys (no ZMQ, no engine-hash
+mapping; the simulated worker's "engine hash" *is* our key), `event_delay_s` after the
+fact.
 
 Same workload, settings and seed → the same results, bit for bit.
 """
@@ -45,15 +46,17 @@ from typing import Any
 
 import numpy as np
 
-from scorer.bench.workloads import Workload
+from kvscorer_tools.bench.workloads import Workload
+from kvscorer_tools.sim.cache import PrefixCache
+from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.timing import TimingModel
 from scorer.blocks import BlockHasher
 from scorer.config import Config
+from scorer.director import Director
 from scorer.index import BlockIndex
 from scorer.policy.base import Policy, PolicyContext, build_policy
 from scorer.pool.workers import Pool
 from scorer.routing import RoutingRequest
-from scorer.sim.cache import PrefixCache
-from scorer.sim.timing import TimingModel
 
 UNBOUNDED_BLOCKS = 1 << 40  # "unbounded" capacity: more blocks than any trace can use
 MODEL = "bench-model"
@@ -151,8 +154,12 @@ class _Req:
     remaining: int = 0
 
 
+def _request_keys(r: _Req) -> list[int]:
+    return r.keys
+
+
 class _SimWorker:
-    """One simulated engine, stepped like `scorer.sim.engine.Engine` on simulated time."""
+    """One simulated engine, stepped like `kvscorer_tools.sim.engine.Engine` on simulated time."""
 
     def __init__(self, sim: _Replay, endpoint: str, capacity: int) -> None:
         self.sim = sim
@@ -215,29 +222,19 @@ class _SimWorker:
         self.sim.tracker_finished(r)
 
     def start_step(self, now: float) -> None:
-        """Schedule the next engine step (see scorer.sim.engine.Engine._schedule)."""
+        """Schedule the next engine step (admission: `kvscorer_tools.sim.scheduler`, as the sim)."""
         st = self.sim.settings
-        bs = self.cache.block_size
-        admitted: list[_Req] = []
-        budget = 0
-        while self.waiting and len(self.running) + len(admitted) < st.max_num_seqs:
-            head = self.waiting[0]
-            # vLLM caps the hit so the last prompt token is always computed.
-            lookup = head.keys[: (head.prompt_tokens - 1) // bs]
-            matched = self.cache.match(lookup)
-            uncached = head.prompt_tokens - matched * bs
-            if admitted and budget + uncached > st.max_num_batched_tokens:
-                break
-            if not self.cache.can_admit(head.keys, head.extra_blocks):
-                break  # wait for running requests to free their blocks (FIFO head)
-            self.waiting.popleft()
-            self.cache.lookup(lookup, head.prompt_tokens)  # the worker's hit counters
-            new = self.cache.admit(head.keys, head.extra_blocks)
-            if new:
-                self.sim.feed_store(self.endpoint, new)
-            head.remaining = head.output_tokens
-            admitted.append(head)
-            budget += uncached
+        step = schedule_step(
+            self.waiting,
+            len(self.running),
+            self.cache,
+            max_num_seqs=st.max_num_seqs,
+            max_num_batched_tokens=st.max_num_batched_tokens,
+            block_keys=_request_keys,
+            on_admit=self._admitted,
+        )
+        admitted = [a.request for a in step.admitted]
+        budget = step.prefill_tokens
         decoding = len(self.running)
         if not admitted and not decoding:
             return  # idle (a blocked head cannot happen with nothing running)
@@ -253,6 +250,11 @@ class _SimWorker:
             self.step_s = timing.decode_ms_per_token(decoding) / 1000.0
             self.steps = max(min(r.remaining for r in self.running), 1)
         self._schedule(now + self.steps * self.step_s)
+
+    def _admitted(self, a: Admission[_Req]) -> None:
+        if a.stored:
+            self.sim.feed_store(self.endpoint, a.stored)
+        a.request.remaining = a.request.output_tokens
 
     def _schedule(self, end: float) -> None:
         self.step_end = end
@@ -306,10 +308,14 @@ class _Replay:
             policy_name, self.ctx, settings.policy_options.get(policy_name)
         )
         set_clock(self.policy, self.clock)
+        self.director = Director(self.config, self.pool, self.policy)
         self.workers = {e: _SimWorker(self, e, cap) for e in endpoints}
         self.reqs: list[_Req] = []
         self.errors = 0
         self.reasons: dict[str, int] = {}
+        # Per request in arrival order: (endpoint or "", reason, notes) when recording
+        # (bench/record_decisions.py pins decisions across refactors with it).
+        self.decided: list[tuple[str, str, str]] | None = None
         for w in self.pool:
             w.scraped.block_size = settings.block_size
             w.scraped.num_gpu_blocks = settings.capacity_blocks
@@ -338,15 +344,16 @@ class _Replay:
     # --- router lifecycle -------------------------------------------------------------
 
     def tracker_first_byte(self, r: _Req) -> None:
-        self.pool.inflight.first_byte(r.rid)
+        self.director.response_started(r.rid, 200)
 
     def tracker_finished(self, r: _Req) -> None:
-        self.pool.inflight.finished(r.rid)
+        self.director.response_ended(r.rid)
 
     def error(self, r: _Req, now: float) -> None:
         self.errors += 1
         r.done = now
-        self.pool.inflight.finished(r.rid)
+        self.director.response_started(r.rid, 400)
+        self.director.response_ended(r.rid)
 
     def scrape(self) -> None:
         """Refresh every worker's scraped load from its simulated engine."""
@@ -372,18 +379,14 @@ class _Replay:
         if self.policy.needs_tokens:
             req.token_ids = token_ids()
             req.block_keys = r.keys
-        cands = self.pool.eligible(MODEL, None)
-        d = self.policy.decide(req, cands)
+        d = self.director.decide_prepared(req)
         self.reasons[str(d.reason)] = self.reasons.get(str(d.reason), 0) + 1
+        if self.decided is not None:
+            self.decided.append((d.endpoint or "", str(d.reason), ",".join(d.notes)))
         if not d.endpoints:
             self.error(r, self.now)
             return
-        ep = d.endpoints[0]
-        # Same accounting as the data path (scorer.extproc.servicer._routed).
-        total = r.prompt_tokens / bs
-        prefill = max(total - d.matched_tokens / bs, 0.0)
-        self.pool.inflight.routed(r.rid, ep, r.prompt_tokens, prefill, total)
-        w = self.workers[ep]
+        w = self.workers[d.endpoints[0]]
         r.worker = w
         w.arrive(r, self.now)
 
@@ -480,6 +483,21 @@ def run_replay(
     res = _Replay(workload, keys, policy, settings).run()
     res.extra["wall_s"] = round(time.perf_counter() - t, 2)
     return res
+
+
+def record_decisions(
+    workload: Workload,
+    policy: str,
+    settings: ReplaySettings,
+    keys: RequestKeys | None = None,
+) -> list[tuple[str, str, str]]:
+    """Every decision of a replay, in arrival order: (endpoint, reason, notes)."""
+    if keys is None:
+        keys = RequestKeys(workload, settings.block_size)
+    replay = _Replay(workload, keys, policy, settings)
+    replay.decided = []
+    replay.run()
+    return replay.decided
 
 
 def oracle_token_hit_rate(workload: Workload, keys: RequestKeys) -> float:

@@ -1,0 +1,402 @@
+"""The director: one request's life between the data path and the decision.
+
+The inference extension splits its picker the same way (pkg/epp/handlers/server.go speaks
+ext_proc; pkg/epp/requestcontrol/director.go owns the request). Every caller goes through
+here: the ext_proc servicer, the `scorer.v1` Score RPC and `/debug/score` (dry runs), and
+the replay benchmark. Nothing else admits, refuses, decides or counts a request in flight.
+
+    request received (headers, body) ─▶ admission: body size, parse (400/413)
+        ─▶ eligible workers (model, health, subset; 503) ─▶ tokens (when the policy needs
+        them, in a thread pool) ─▶ policy.decide ─▶ record (decision log + metrics, once)
+        ─▶ in flight (unless dry run)
+    response started (status, served endpoint) ─▶ prefill over, the status the client got
+    response ended / reset ─▶ in flight released, completion hooks called
+
+Refusals carry their status from `scorer.routing.REFUSAL_STATUS` and their body in the one
+OpenAI error shape (`scorer.errors`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from scorer.config import Config
+from scorer.decisions import DecisionLog
+from scorer.errors import error_body
+from scorer.policy.base import Policy
+from scorer.policy.metrics import observe_decision
+from scorer.policy.session import session_header
+from scorer.policy.simple import least_loaded, load_score
+from scorer.pool.workers import Pool
+from scorer.routing import Decision, Reason, RoutingRequest, refuse
+
+if TYPE_CHECKING:
+    from scorer.pool.workers import Worker
+
+log = logging.getLogger("scorer.director")
+_json_decoder = msgspec.json.Decoder()
+_json_encoder = msgspec.json.Encoder()
+
+
+class BadRequest(Exception):
+    """The request body cannot be routed (400 in the OpenAI error shape)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """Decode an OpenAI request body once; raise BadRequest (400) when it cannot be routed."""
+    try:
+        doc = _json_decoder.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("you must provide a model parameter", param="model")
+    return doc
+
+
+def truthy(value: str | None) -> bool:
+    """A header flag: "1", "true", "yes", "on" (any case) are true."""
+    return value is not None and value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class RequestPreparer(Protocol):
+    """Fills `token_ids`, `block_keys`, `block_size` and `prompt_tokens` of a request.
+
+    Implemented by scorer.tokens. Leaves `token_ids` None when the model has no tokenizer
+    (the policy then routes by load with reason no_tokenizer) and sets `tokenize_error`
+    when the body cannot be rendered.
+    """
+
+    async def prepare(self, request: RoutingRequest) -> None: ...
+
+
+@dataclass(slots=True)
+class Completion:
+    """One request the data path is done with, as completion hooks see it (metrics).
+
+    Emitted once per request that got a decision (never for dry runs): at the refusal, at
+    the routing answer when responses are not followed, else at the response's end.
+    """
+
+    request_id: str
+    model: str | None
+    endpoint: str | None  # None when refused
+    routed: bool
+    # The HTTP status: the refusal's, or the worker's from the response headers; None
+    # when unknown (responses not followed, or reset before the response began).
+    status: int | None
+    from_model_server: bool  # `status` came from the worker's response
+    duration_s: float | None  # request headers → end of the response (followed only)
+    request_bytes: int | None
+    reset: bool = False  # ended by a reset (client gone, upstream failure)
+
+
+@dataclass(slots=True)
+class _Live:
+    decision: Decision
+    started: float  # perf_counter at the request headers
+    request_bytes: int | None
+    status: int | None = None
+
+
+CompletionHook = Callable[[Completion], None]
+
+
+class Director:
+    """Owns admission, refusal, the decision, in-flight accounting and response hooks."""
+
+    def __init__(
+        self,
+        config: Config,
+        pool: Pool,
+        policy: Policy,
+        decisions: DecisionLog | None = None,
+        preparer: RequestPreparer | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.decisions = decisions if decisions is not None else DecisionLog()
+        self.preparer = preparer
+        self.inflight = pool.inflight
+        ex = config.extproc
+        # Without response tracking the data path never reports a response: nothing may be
+        # counted in flight then (it would never be released).
+        self.follows_responses = ex.track_responses
+        self.max_body_bytes = ex.max_body_bytes
+        self._sheddable_header = ex.sheddable_header.lower()
+        self._session_header = session_header(config)
+        self._block_size = config.pool.block_size
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count(1)
+        # Called once per request that was routed and followed, when it ends. The hook point
+        # for request metrics (model, endpoint, status, duration). Hooks must not raise.
+        self.completion_hooks: list[CompletionHook] = []
+
+    # ------------------------------------------------------------------ request
+
+    def new_request(
+        self, headers: Mapping[str, str], subset: frozenset[str] | None = None
+    ) -> RoutingRequest:
+        """A RoutingRequest from the request headers (lower-case names)."""
+        return RoutingRequest(
+            request_id=headers.get("x-request-id") or f"r{next(self._ids)}",
+            headers=headers,
+            path=headers.get(":path", "/"),
+            method=headers.get(":method", "POST"),
+            subset=subset,
+            session_id=headers.get(self._session_header),
+            sheddable=truthy(headers.get(self._sheddable_header)),
+        )
+
+    def too_large(self, request: RoutingRequest) -> Decision:
+        """Admission: the body grew over `extproc.max_body_bytes` (413, recorded)."""
+        return self._refuse(
+            request,
+            Reason.TOO_LARGE,
+            f"request body larger than {self.max_body_bytes} bytes",
+        )
+
+    async def request_received(
+        self, request: RoutingRequest, body: bytes | None, dry_run: bool = False
+    ) -> Decision:
+        """The whole request is here: parse its body, decide, count it in flight."""
+        if not body:
+            return self.route_bodyless(request, dry_run)
+        request.body_bytes = len(body)
+        t0 = time.perf_counter()
+        try:
+            doc = parse_body(body)
+        except BadRequest as e:
+            return self._refuse(request, Reason.BAD_REQUEST, e.message, e.param)
+        model: str = doc["model"]
+        request.model = model
+        request.body = doc
+        salt = doc.get("cache_salt")
+        if isinstance(salt, str) and salt:
+            request.cache_salt = salt
+        request.lora = self.config.tokens.adapter_of(model)
+        # Estimate until the tokens stage knows better (~4 bytes per token of JSON).
+        request.prompt_tokens = len(body) // 4
+        # The body decode is this stage; the decision's total includes it.
+        request.stages["parse"] = time.perf_counter() - t0
+        if not self.pool.serves_model(model):
+            request.dry_run = dry_run
+            return self._refuse(
+                request, Reason.NO_WORKERS, f"the model {model!r} is not served here"
+            )
+        return await self.decide(request, dry_run)
+
+    async def decide(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
+        """Decide where a parsed request goes (tokenizing first when the policy needs it)."""
+        t0 = time.perf_counter()
+        request.dry_run = dry_run
+        candidates = self.pool.eligible(request.model, request.subset)
+        if not candidates:
+            return self._no_candidates(request)
+        if (
+            self.policy.needs_tokens
+            and self.preparer is not None
+            and request.body
+            and request.token_ids is None
+        ):
+            t_tok = time.perf_counter()
+            await self.preparer.prepare(request)
+            request.stages.setdefault("tokenize", time.perf_counter() - t_tok)
+        return self._decide(request, candidates, t0)
+
+    def decide_prepared(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
+        """Decide for a request whose tokens are filled (or not needed), synchronously.
+
+        The replay benchmark calls this directly: its requests carry their block keys.
+        """
+        t0 = time.perf_counter()
+        request.dry_run = dry_run
+        candidates = self.pool.eligible(request.model, request.subset)
+        if not candidates:
+            return self._no_candidates(request)
+        return self._decide(request, candidates, t0)
+
+    def _no_candidates(self, request: RoutingRequest) -> Decision:
+        if request.subset is not None and self.pool.eligible(request.model, None):
+            return self._refuse(
+                request, Reason.SUBSET_EMPTY, "no eligible endpoint matches the subset hint"
+            )
+        if request.model is None:
+            return self._refuse(request, Reason.NO_WORKERS, "no healthy endpoint")
+        return self._refuse(
+            request, Reason.NO_WORKERS, f"no healthy endpoint serves model {request.model!r}"
+        )
+
+    def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
+        t_dec = time.perf_counter()
+        rng = self.policy.ctx.rng
+        state = rng.getstate() if request.dry_run else None
+        try:
+            d = self.policy.decide(request, candidates)
+        finally:
+            if state is not None:
+                rng.setstate(state)
+        d.stages.setdefault("policy", time.perf_counter() - t_dec)
+        return self._decided(request, d, t0)
+
+    def route_bodyless(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
+        """Requests without a body (GET /v1/models) go to the least-loaded eligible worker."""
+        t0 = time.perf_counter()
+        request.dry_run = dry_run
+        candidates = self.pool.eligible(None, request.subset)
+        if not candidates:
+            return self._no_candidates(request)
+        rng = self.policy.ctx.rng
+        state = rng.getstate() if dry_run else None
+        w = least_loaded(candidates, self.policy.ctx)
+        if state is not None:
+            rng.setstate(state)
+        d = Decision(
+            endpoints=[w.endpoint],
+            reason=Reason.NO_BODY,
+            policy=self.policy.name,
+            candidates=[load_score(c) for c in candidates],
+        )
+        return self._decided(request, d, t0)
+
+    def _refuse(
+        self,
+        request: RoutingRequest,
+        reason: Reason,
+        message: str,
+        param: str | None = None,
+    ) -> Decision:
+        d = refuse(self.policy.name, reason, message)
+        d.param = param
+        return self._decided(request, d, time.perf_counter())
+
+    def _decided(self, request: RoutingRequest, d: Decision, t0: float) -> Decision:
+        """Bookkeeping of every decision, exactly once: log, metrics, in flight."""
+        for stage, seconds in request.stages.items():
+            d.stages.setdefault(stage, seconds)
+        d.request_id = request.request_id
+        d.model = request.model
+        d.request_tokens = d.request_tokens or request.prompt_tokens
+        # total = parse → endpoint: the parse stage plus everything since t0.
+        d.stages["total"] = time.perf_counter() - t0 + request.stages.get("parse", 0.0)
+        self.decisions.add(d)
+        observe_decision(d)
+        if request.dry_run:
+            return d
+        size = request.body_bytes or None
+        if d.endpoints and self.follows_responses:
+            bs = request.block_size or self._block_size
+            total = request.prompt_tokens / bs
+            prefill = max(total - d.matched_tokens / bs, 0.0)
+            rid = request.request_id
+            self.inflight.routed(rid, d.endpoints[0], request.prompt_tokens, prefill, total)
+            self._live[rid] = _Live(d, request.started, size)
+        elif self.completion_hooks:
+            routed = bool(d.endpoints)
+            self._complete(
+                Completion(
+                    request_id=request.request_id,
+                    model=request.model,
+                    endpoint=d.endpoint,
+                    routed=routed,
+                    status=None if routed else d.status,
+                    from_model_server=False,
+                    duration_s=None,
+                    request_bytes=size,
+                )
+            )
+        return d
+
+    def _complete(self, done: Completion) -> None:
+        for hook in self.completion_hooks:
+            try:
+                hook(done)
+            except Exception:  # a broken hook must not break the data path
+                log.exception("completion hook %r failed", hook)
+
+    async def dry_run(self, body: Mapping[str, Any]) -> Decision:
+        """The decision for a request body, changing no state (`/debug/score`).
+
+        `token_ids` stands for a prompt of token ids.
+        """
+        doc = dict(body)
+        ids = doc.pop("token_ids", None)
+        if ids is not None and "prompt" not in doc and "messages" not in doc:
+            doc["prompt"] = ids
+        req = RoutingRequest(request_id=f"dry-{next(self._ids)}", path="/debug/score")
+        return await self.request_received(req, _json_encoder.encode(doc), dry_run=True)
+
+    @staticmethod
+    def refusal_body(d: Decision) -> bytes:
+        """The OpenAI error body of a refused decision."""
+        return error_body(d.status, d.message or str(d.reason), d.param, str(d.reason))
+
+    # ------------------------------------------------------------------ response
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether the request is counted in flight (its response is being followed)."""
+        return request_id in self._live
+
+    def endpoint_of(self, request_id: str) -> str | None:
+        """Where an in-flight request was routed (moved by a served-endpoint report)."""
+        return self.inflight.endpoint_of(request_id)
+
+    def response_started(
+        self, request_id: str, status: int | None = None, served: str | None = None
+    ) -> bool:
+        """Response headers arrived. Returns True when Envoy served another endpoint."""
+        live = self._live.get(request_id)
+        if live is None:
+            return False
+        moved = False
+        if served is not None and served != self.inflight.endpoint_of(request_id):
+            self.inflight.moved(request_id, served)
+            moved = True
+        self.inflight.first_byte(request_id)
+        if status is not None:
+            live.status = status
+            live.decision.response_status = status
+        return moved
+
+    def response_ended(self, request_id: str, reset: bool = False) -> None:
+        """The response ended (end of stream, trailers) or the exchange was reset."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        endpoint = self.inflight.endpoint_of(request_id) or live.decision.endpoints[0]
+        self.inflight.finished(request_id)
+        if reset and live.status is None:
+            live.decision.notes.append("reset_before_response")
+        if self.completion_hooks:
+            self._complete(
+                Completion(
+                    request_id=request_id,
+                    model=live.decision.model,
+                    endpoint=endpoint,
+                    routed=True,
+                    status=live.status,
+                    from_model_server=live.status is not None,
+                    duration_s=time.perf_counter() - live.started,
+                    request_bytes=live.request_bytes,
+                    reset=reset,
+                )
+            )
+
+    def __len__(self) -> int:
+        """Requests in flight (followed)."""
+        return len(self._live)

@@ -1,0 +1,198 @@
+"""TLS between the socket and an HTTP/2 connection, on `ssl.MemoryBIO` (what asyncio's
+own SSL transport does), so that a failed or slow handshake is seen and counted here:
+asyncio's built-in server TLS drops handshake failures silently (debug log only).
+
+`TlsTransport` is the socket's protocol and the inner protocol's transport: it decrypts
+what arrives into `inner.data_received` and encrypts what `inner` writes. Flow control
+passes through: the socket's pause/resume_writing reach the inner protocol, and
+pause/resume_reading reach the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("scorer.extproc.transport")
+
+_READ = 256 * 1024  # plaintext bytes taken from the TLS layer per read call
+
+
+def handshake_failure_reason(exc: BaseException) -> str:
+    """A short label for a failed handshake: certificate / protocol."""
+    text = str(exc).upper()
+    if "CERTIFICATE" in text or "UNKNOWN_CA" in text or "BAD_CERT" in text:
+        return "certificate"
+    return "protocol"
+
+
+class TlsTransport(asyncio.Protocol, asyncio.Transport):
+    """Server-side TLS for one accepted connection, wrapping the inner protocol."""
+
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        inner: asyncio.Protocol,
+        on_failure: Callable[[str], None],
+        handshake_timeout: float,
+    ) -> None:
+        asyncio.Transport.__init__(self)
+        self._ctx = context
+        self._inner = inner
+        self._on_failure = on_failure
+        self._timeout = handshake_timeout
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._ssl = context.wrap_bio(self._in, self._out, server_side=True)
+        self._raw: asyncio.Transport | None = None
+        self._ready = False  # handshake done, inner protocol connected
+        self._closing = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ socket side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._raw = transport
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._timeout, self._handshake_timeout)
+
+    def _handshake_timeout(self) -> None:
+        if not self._ready and not self._closing:
+            self._on_failure("timeout")
+            self._abort_raw()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing and not self._ready:
+            return
+        self._in.write(data)
+        if not self._ready:
+            try:
+                self._ssl.do_handshake()
+            except ssl.SSLWantReadError:
+                self._flush()
+                return
+            except (ssl.SSLError, OSError) as e:
+                self._on_failure(handshake_failure_reason(e))
+                log.info("ext_proc TLS handshake failed: %s", e)
+                self._flush()  # the alert, so the peer sees why
+                self._abort_raw()
+                return
+            self._ready = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._flush()
+            self._inner.connection_made(self)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Hand decrypted bytes to the inner protocol."""
+        while not self._closing:
+            try:
+                chunk = self._ssl.read(_READ)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except ssl.SSLZeroReturnError:  # close_notify
+                self.close()
+                break
+            except (ssl.SSLError, OSError) as e:
+                log.info("ext_proc TLS error: %s", e)
+                self._abort_raw()
+                break
+            if not chunk:
+                break
+            self._inner.data_received(chunk)
+        self._flush()  # renegotiation / key-update records, if any
+
+    def eof_received(self) -> bool | None:
+        return False  # close the socket
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._ready:
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._ready:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._ready:
+            self._inner.resume_writing()
+
+    # ------------------------------------------------------------ inner protocol side
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing or not self._ready:
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                n = self._ssl.write(view)
+                view = view[n:]
+        except (ssl.SSLError, OSError) as e:
+            log.info("ext_proc TLS write failed: %s", e)
+            self._abort_raw()
+            return
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._out.pending and self._raw is not None:
+            self._raw.write(self._out.read())
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._ready:
+            with contextlib.suppress(ssl.SSLError, OSError):
+                self._ssl.unwrap()  # close_notify
+            self._flush()
+        if self._raw is not None:
+            self._raw.close()
+
+    def _abort_raw(self) -> None:
+        self._closing = True
+        if self._raw is not None:
+            self._raw.close()
+
+    def abort(self) -> None:
+        self._abort_raw()
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "ssl_object":
+            return self._ssl
+        if name == "sslcontext":
+            return self._ctx
+        if self._raw is None:
+            return default
+        return self._raw.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        if self._raw is not None:
+            self._raw.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._raw is not None:
+            self._raw.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._raw is not None and self._raw.is_reading()
+
+    def get_write_buffer_size(self) -> int:
+        return 0 if self._raw is None else self._raw.get_write_buffer_size()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if self._raw is not None:
+            self._raw.set_write_buffer_limits(high, low)

@@ -1,0 +1,169 @@
+"""The inference extension's data-plane conformance scenarios, reproduced without
+Kubernetes: kv-scorer processes as the pools' pickers, a real Envoy 1.40 shaped like each
+gateway (scorer.envoyproc.render_gateway_config), real HTTP backends.
+
+Each test names the upstream test it mirrors (gateway-api-inference-extension v1.5.0
+`conformance/tests/*.go`). The endpoint picker's role is played by kv-scorer itself; the
+gateway's by Envoy with the configuration the gateway generates.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from e2e_helpers import Backend, scorer_config
+
+from kvscorer_tools.envoyrun import EnvoyProcess
+from scorer.app import App
+from scorer.envoyproc import GATEWAYS, GatewayPool, render_gateway_config
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
+BODY = json.dumps({"model": "m", "prompt": "Write as if you were a critic: San Francisco"})
+
+# The gateways send response bodies FULL_DUPLEX_STREAMED and connect to the picker over
+# TLS (Envoy AI Gateway, kgateway). Until the scorer answers streamed response bodies
+# (issue 10 item 1) and serves TLS (item 2), these scenarios run with response bodies not
+# sent and plaintext; tests/e2e/test_gateway_suite.py covers the full shapes.
+SHAPE = {"response_body_mode": "NONE", "picker_tls": False}
+
+
+@asynccontextmanager
+async def picker(name: str, endpoints: list[str]) -> AsyncIterator[App]:
+    """A kv-scorer process-alike (in this process) picking for one pool."""
+    app = App(scorer_config(endpoints, pool={"name": name, "workers": endpoints}))
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()
+
+
+async def post(s: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, str | None]:
+    async with s.post(url, data=BODY, **kw) as r:
+        if r.status != 200:
+            return r.status, None
+        return r.status, (await r.json())["backend"]
+
+
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_weighted_across_two_pools(gateway: str, backends: list[Backend]) -> None:
+    """GatewayWeightedAcrossTwoInferencePools: one route, two InferencePools as weighted
+    backends (70/30), each with its own picker; every request lands on an endpoint of the
+    pool its weighted cluster belongs to, and the split follows the weights."""
+    a, b = [x.endpoint for x in backends[:2]], [backends[2].endpoint]
+    names = {x.endpoint: x.name for x in backends}
+    async with picker("pool-a", a) as pa, picker("pool-b", b) as pb:
+        cfg = render_gateway_config(
+            gateway,  # type: ignore[arg-type]
+            listener_port=0,
+            admin_port=0,
+            pools=[
+                GatewayPool("a", a, pa.extproc_port, weight=70),
+                GatewayPool("b", b, pb.extproc_port, weight=30),
+            ],
+            # Envoy draws the split from this header (value % total weight) instead of
+            # its random generator, so the 70/30 split is exact and the test deterministic.
+            weighted_random_header="x-test-split",
+            **SHAPE,  # type: ignore[arg-type]
+        )
+        async with EnvoyProcess(cfg) as envoy, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{envoy.listener_port}/weighted-two-pools-test"
+            hits: Counter[str] = Counter()
+            for i in range(200):
+                status, backend = await post(s, url, headers={"x-test-split": str(i)})
+                assert status == 200
+                assert backend is not None
+                pool = "a" if i % 100 < 70 else "b"
+                allowed = {names[e] for e in (a if pool == "a" else b)}
+                assert backend in allowed, (i, backend, pool)  # no endpoint leaks across
+                hits[pool] += 1
+        assert hits == {"a": 140, "b": 60}
+        # Each picker decided only its own pool's requests.
+        assert len(pa.decisions.query(limit=1000)) == 140
+        assert len(pb.decisions.query(limit=1000)) == 60
+
+
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_multiple_rules_different_pools(gateway: str, backends: list[Backend]) -> None:
+    """InferencePoolMultipleRulesDifferentPools / HTTPRouteMultipleRulesDifferentPools:
+    two route rules, each to its own InferencePool and picker; no cross-talk."""
+    a, b = [backends[0].endpoint], [x.endpoint for x in backends[1:]]
+    names = {x.endpoint: x.name for x in backends}
+    async with picker("pool-a", a) as pa, picker("pool-b", b) as pb:
+        cfg = render_gateway_config(
+            gateway,  # type: ignore[arg-type]
+            listener_port=0,
+            admin_port=0,
+            pools=[
+                GatewayPool("a", a, pa.extproc_port, path_prefix="/a"),
+                GatewayPool("b", b, pb.extproc_port, path_prefix="/b"),
+            ],
+            **SHAPE,  # type: ignore[arg-type]
+        )
+        async with EnvoyProcess(cfg) as envoy, aiohttp.ClientSession() as s:
+            base = f"http://127.0.0.1:{envoy.listener_port}"
+            for _ in range(4):
+                assert await post(s, base + "/a/v1/completions") == (200, names[a[0]])
+                status, backend = await post(s, base + "/b/v1/completions")
+                assert status == 200 and backend in {names[e] for e in b}
+
+
+# What each gateway shape does when its picker is unreachable and the pool says
+# `failureMode: FailOpen` (failure_mode_allow: true), measured with Envoy 1.40:
+# (gateway, request body mode) -> (POST with a body, GET without one).
+FAIL_OPEN = {
+    # Istio: the request continues without a destination; override_host falls back to
+    # round robin over the pool: served.
+    ("istio", "BUFFERED"): (200, 200),
+    # FULL_DUPLEX_STREAMED: Envoy 1.40 does not fail open once the body is streaming to
+    # the picker: a request with a body gets 500; one without a body still fails open.
+    ("istio", "FULL_DUPLEX_STREAMED"): (500, 200),
+    # kgateway (ORIGINAL_DST on the header): fails open into a cluster that has no
+    # destination for the request: 503.
+    ("kgateway", "BUFFERED"): (503, 503),
+    ("kgateway", "FULL_DUPLEX_STREAMED"): (500, 503),
+}
+
+
+@pytest.mark.parametrize(("gateway", "body_mode"), list(FAIL_OPEN))
+async def test_fail_open_when_the_picker_is_down(
+    gateway: str, body_mode: str, backends: list[Backend]
+) -> None:
+    """EppUnAvailableFailOpen: requests succeed through the picker, then the picker goes
+    away. Upstream expects 200 after that; here each shape's real outcome is asserted
+    (FAIL_OPEN above; Envoy AI Gateway always fails closed, so it has no row)."""
+    eps = [x.endpoint for x in backends]
+    app = App(scorer_config(eps))
+    await app.start()
+    stopped = False
+    try:
+        cfg = render_gateway_config(
+            gateway,  # type: ignore[arg-type]
+            eps,
+            listener_port=0,
+            admin_port=0,
+            extproc_port=app.extproc_port,
+            failure_mode_allow=True,
+            request_body_mode=body_mode,
+            **SHAPE,  # type: ignore[arg-type]
+        )
+        async with EnvoyProcess(cfg) as envoy, aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{envoy.listener_port}"
+            assert (await post(s, url + "/v1/completions"))[0] == 200  # phase 1
+            await app.stop()
+            stopped = True
+            got_post = (await post(s, url + "/v1/completions"))[0]
+            async with s.get(url + "/v1/models") as r:
+                got_get = r.status
+            stats = envoy.stats("http.main.ext_proc.")
+        assert (got_post, got_get) == FAIL_OPEN[(gateway, body_mode)]
+        assert stats["http.main.ext_proc.failure_mode_allowed"] >= 1
+    finally:
+        if not stopped:
+            await app.stop()
