@@ -91,6 +91,11 @@ class ExtProcConfig(Strict):
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # Request header that marks a request sheddable (value "true"/"1") for 429 on busy_all.
     sheddable_header: str = "x-kv-scorer-sheddable"
+    # Conformance test devices (scorer/extproc/conformance.py), never for real traffic:
+    # restrict picks to the request header `test-epp-endpoint-selection` (IP or IP:port
+    # list), and echo the endpoint Envoy served as `x-conformance-test-served-endpoint`.
+    test_endpoint_selection: bool = False
+    echo_served_endpoint: bool = False
 
 
 class EventsEndpointConfig(Strict):

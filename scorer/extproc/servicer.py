@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.config import Config
 from scorer.director import Director
+from scorer.extproc import conformance
 from scorer.extproc import protocol as P
 from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
 from scorer.routing import Decision
@@ -81,6 +82,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.max_body = director.max_body_bytes
         self.decision_headers = config.extproc.decision_headers
         self.draining = False
+        # Conformance test devices (scorer/extproc/conformance.py), off by default.
+        self.test_selection = config.extproc.test_endpoint_selection
+        self.echo_served = config.extproc.echo_served_endpoint
         # Handler tasks waiting in the response phase; release_streams() ends them cleanly.
         self._following: set[asyncio.Task[Any]] = set()
         self._releasing = False
@@ -145,7 +149,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # Request processing skipped by the proxy config: nothing to route here.
             await self._passthrough(msg, context)
             return None, "empty"
-        req = self.director.new_request(P.header_map(msg.request_headers), P.subset_hint(msg))
+        headers = P.header_map(msg.request_headers)
+        req = self.director.new_request(headers, self._subset(msg, headers))
 
         if msg.request_headers.end_of_stream:
             d = await self.director.request_received(req, None)
@@ -200,6 +205,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if trailers:
             await context.write(P.continue_trailers())
         return self._routed(d)
+
+    def _subset(self, msg: ep.ProcessingRequest, headers: dict[str, str]) -> frozenset[str] | None:
+        """The gateway's subset hint, narrowed by the conformance selection header when
+        `extproc.test_endpoint_selection` is on."""
+        hint = P.subset_hint(msg)
+        if not self.test_selection:
+            return hint
+        pairs = ((w.endpoint, w.ip) for w in self.director.pool)
+        return conformance.restrict(hint, conformance.selection(headers), pairs)
 
     def _routing_answer(self, d: Decision, full_duplex: bool) -> ep.ProcessingResponse:
         """The answer carrying the destination: headers answer (FULL_DUPLEX) or body answer
@@ -300,7 +314,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 status = P.response_status(m) or None
                 if self.director.response_started(rid, status, P.served_endpoint(m)):
                     SERVED_MOVED.inc()
-                await context.write(self._continue_response_headers)
+                if self.echo_served:
+                    await context.write(conformance.served_response(m))
+                else:
+                    await context.write(self._continue_response_headers)
                 if m.response_headers.end_of_stream:
                     return
             else:

@@ -18,15 +18,16 @@ class Backend:
     name: str
     runner: web.AppRunner
     port: int
+    host: str = "127.0.0.1"
     release: asyncio.Event = field(default_factory=asyncio.Event)
     seen: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
 
-async def start_backend(name: str) -> Backend:
+async def start_backend(name: str, host: str = "127.0.0.1") -> Backend:
     """An echo backend: JSON with its name, the body's size and sha256, and the headers it
     got. `/sse` streams one event, waits for `release`, then sends the last one."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -63,10 +64,10 @@ async def start_backend(name: str) -> Backend:
     app.router.add_route("*", "/{tail:.*}", echo)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    b = Backend(name, runner, port)
+    b = Backend(name, runner, port, host)
     holder["b"] = b
     return b
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e_helpers import Backend, scorer_config
+from e2e_helpers import Backend, scorer_config, start_backend
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -31,6 +31,8 @@ BODY = json.dumps({"model": "m", "prompt": "Write as if you were a critic: San F
 # (issue 10 item 1) and serves TLS (item 2), these scenarios run with response bodies not
 # sent and plaintext; tests/e2e/test_gateway_suite.py covers the full shapes.
 SHAPE = {"response_body_mode": "NONE", "picker_tls": False}
+SELECTION = "test-epp-endpoint-selection"
+SERVED = "x-conformance-test-served-endpoint"
 
 
 @asynccontextmanager
@@ -167,3 +169,108 @@ async def test_fail_open_when_the_picker_is_down(
     finally:
         if not stopped:
             await app.stop()
+
+
+@asynccontextmanager
+async def hosts(ips: list[str], ranks: int) -> AsyncIterator[list[Backend]]:
+    """Backends on distinct loopback IPs, `ranks` ports each (data-parallel ranks)."""
+    started: list[Backend] = []
+    try:
+        for i, ip in enumerate(ips):
+            for r in range(ranks):
+                started.append(await start_backend(f"pod{i}-rank{r}", host=ip))
+        yield started
+    finally:
+        for b in started:
+            await b.runner.cleanup()
+
+
+@asynccontextmanager
+async def conformance_setup(
+    gateway: str, pods: list[Backend]
+) -> AsyncIterator[tuple[App, EnvoyProcess]]:
+    eps = [b.endpoint for b in pods]
+    app = App(
+        scorer_config(
+            eps,
+            extproc={"test_endpoint_selection": True, "echo_served_endpoint": True},
+        )
+    )
+    await app.start()
+    try:
+        cfg = render_gateway_config(
+            gateway,  # type: ignore[arg-type]
+            eps,
+            listener_port=0,
+            admin_port=0,
+            extproc_port=app.extproc_port,
+            **SHAPE,  # type: ignore[arg-type]
+        )
+        async with EnvoyProcess(cfg) as envoy:
+            yield app, envoy
+    finally:
+        await app.stop()
+
+
+IPS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+
+
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_following_epp_routing(gateway: str) -> None:
+    """GatewayFollowingEPPRouting: with the conformance picker's selection header naming
+    1, 2 or 3 pods, every request is served by one of them (and round robin reaches each);
+    the served endpoint is echoed (GatewayDestinationEndpointServed) where Envoy reports it."""
+    async with hosts(IPS, 1) as pods, conformance_setup(gateway, pods) as (app, envoy):
+        url = f"http://127.0.0.1:{envoy.listener_port}/primary-gateway-test"
+        async with aiohttp.ClientSession() as s:
+            for n in (1, 2, 3):
+                allowed = pods[:n]
+                header = ",".join(b.host for b in allowed)
+                seen: Counter[str] = Counter()
+                for _ in range(12):
+                    async with s.post(url, data=BODY, headers={SELECTION: header}) as r:
+                        assert r.status == 200
+                        name = (await r.json())["backend"]
+                        echo = r.headers.get(SERVED)
+                    seen[name] += 1
+                    b = next(p for p in pods if p.name == name)
+                    if gateway == "istio":
+                        # override_host reports the host it used: echoed exactly.
+                        assert echo == b.endpoint
+                    else:
+                        # ORIGINAL_DST reports no served endpoint; the echo says so,
+                        # as the reference verifier does.
+                        assert echo is not None and echo.startswith("fail: missing")
+                assert set(seen) == {p.name for p in allowed}, (n, seen)
+            # A selection naming no pod of the pool: nothing eligible, 503.
+            async with s.post(url, data=BODY, headers={SELECTION: "10.9.9.9"}) as r:
+                assert r.status == 503
+    assert len(app.pool.inflight) == 0
+
+
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_following_epp_routing_with_data_parallelism(gateway: str) -> None:
+    """GatewayFollowingEPPRoutingWithDataParallelism: three pods with three ranks (ports)
+    each; an IP entry allows every rank of that pod, an IP:port entry one rank."""
+    async with hosts(IPS, 3) as pods, conformance_setup(gateway, pods) as (_, envoy):
+        by_ip: dict[str, list[Backend]] = {}
+        for p in pods:
+            by_ip.setdefault(p.host, []).append(p)
+        r0, r1, r2 = (by_ip[ip] for ip in IPS)
+        cases = [
+            # (header, allowed backends)
+            (IPS[1], r1),
+            (f"{IPS[0]},{r2[1].endpoint}", [*r0, r2[1]]),
+            (f"{IPS[0]},{r1[0].endpoint},{r1[2].endpoint},{IPS[2]}", [*r0, r1[0], r1[2], *r2]),
+        ]
+        url = f"http://127.0.0.1:{envoy.listener_port}/primary-gateway-dp-test"
+        async with aiohttp.ClientSession() as s:
+            for header, allowed in cases:
+                names = {b.name for b in allowed}
+                seen: set[str] = set()
+                for _ in range(2 * len(allowed)):
+                    status, name = await post(s, url, headers={SELECTION: header})
+                    assert status == 200 and name in names, (header, name)
+                    seen.add(name)
+                # Round robin over the allowed ranks reaches every one of them.
+                assert seen == names

@@ -10,7 +10,8 @@ import signal
 import sys
 from typing import Any
 
-from kvscorer_tools.sim.worker import SimConfig, SimWorker
+from kvscorer_tools.sim.config import SimConfig
+from kvscorer_tools.sim.worker import SimWorker
 
 
 def register(subparsers: Any) -> None:

@@ -10,21 +10,22 @@
   ``--kv-event-source WORKER_URL=ENDPOINT``, ``--kv-event-replay-source``,
   ``--kv-event-block-size``, ``--kv-event-model``.
 
-Both are optional (``pip install -e './tools[peers]'``). A peer that is not installed, does not
-start or fails its requests gets ``{"error": "..."}`` in the results and the run goes on.
+Both are optional (``pip install -e './tools[peers]'``). A peer that is not installed,
+does not start or fails its requests gets ``{"error": "..."}`` in the results and the run goes on.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvscorer_tools.bench.e2e.fleet import SimFleet
+from kvscorer_tools.bench.e2e.load import run_load
+from kvscorer_tools.bench.e2e.settings import E2ESettings
+from kvscorer_tools.bench.e2e.summary import summarize
 from kvscorer_tools.bench.procs import ProcError, ProcGroup, free_port, http_get, wait_until
-
-if TYPE_CHECKING:
-    from kvscorer_tools.bench.e2e import E2ESettings, SimFleet
-    from kvscorer_tools.bench.workloads import Workload
+from kvscorer_tools.bench.workloads import Workload
 
 PEERS = {
     "sglang_cache_aware": "sglang_router",
@@ -71,8 +72,6 @@ def run_peer(
     name: str, group: ProcGroup, fleet: SimFleet, wl: Workload, settings: E2ESettings
 ) -> dict[str, Any]:
     """Start peer `name` in front of `fleet`, run the workload through it, stop it."""
-    from kvscorer_tools.bench.e2e import run_load, summarize
-
     module = PEERS.get(name)
     if module is None:
         raise PeerError(f"unknown peer {name!r}")

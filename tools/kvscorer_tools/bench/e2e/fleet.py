@@ -1,0 +1,149 @@
+"""The simulated workers of a run: `kv-scorer sim` child processes and their counters."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from kvscorer_tools.bench.e2e.settings import MODEL, E2ESettings
+from kvscorer_tools.bench.procs import (
+    Proc,
+    ProcError,
+    ProcGroup,
+    free_port,
+    http_get,
+    kv_scorer_argv,
+    metric_sums,
+    wait_until,
+)
+
+HITS = "vllm:prefix_cache_hits"
+QUERIES = "vllm:prefix_cache_queries"
+TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
+TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+
+
+@dataclass(slots=True)
+class SimSpec:
+    """One simulated worker's addresses."""
+
+    port: int
+    events_port: int
+    replay_port: int
+    host: str = "127.0.0.1"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"tcp://{self.host}:{self.events_port}"
+
+    @property
+    def replay(self) -> str:
+        return f"tcp://{self.host}:{self.replay_port}"
+
+
+class SimFleet:
+    """`kv-scorer sim` workers as child processes."""
+
+    def __init__(self, group: ProcGroup, settings: E2ESettings) -> None:
+        self.group = group
+        self.settings = settings
+        self.specs: list[SimSpec] = []
+        self.procs: list[Proc] = []
+
+    def argv(self, spec: SimSpec) -> list[str]:
+        s = self.settings
+        cap = s.capacity_blocks or 10_000_000  # "unbounded"
+        return kv_scorer_argv(
+            "sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(spec.port),
+            "--model",
+            MODEL,
+            "--block-size",
+            str(s.block_size),
+            "--capacity-blocks",
+            str(cap),
+            "--max-num-seqs",
+            str(s.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(s.max_num_batched_tokens),
+            "--max-model-len",
+            str(s.max_model_len),
+            "--speed",
+            str(s.speed),
+            # Bind on loopback (vLLM's rule would connect for a non-* host).
+            "--kv-events",
+            spec.events,
+            "--kv-events-mode",
+            "bind",
+            "--replay",
+            spec.replay,
+            "--seed",
+            str(s.seed),
+            "--log-level",
+            "warning",
+        )
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start every worker, then wait for all of them to answer /health."""
+        for i in range(self.settings.workers):
+            spec = SimSpec(free_port(), free_port(), free_port())
+            self.specs.append(spec)
+            self.procs.append(self.group.start(f"sim{i}", self.argv(spec)))
+        for spec, p in zip(self.specs, self.procs, strict=True):
+            wait_until(
+                lambda spec=spec: http_get(spec.url + "/health", 1.0)[0] == 200,  # type: ignore[misc]
+                timeout_s,
+                f"{p.name} /health",
+                p,
+            )
+
+    def reset(self) -> None:
+        """Drop every worker's prefix cache (vLLM's POST /reset_prefix_cache)."""
+        for spec in self.specs:
+            deadline = time.monotonic() + 30.0
+            while True:
+                status, done = reset_prefix_cache(spec.url)
+                if status == 200 and done:
+                    break
+                # vLLM (and the sim) refuse while requests hold blocks. Retry briefly.
+                if time.monotonic() > deadline:
+                    raise ProcError(f"reset_prefix_cache on {spec.endpoint}: HTTP {status}")
+                time.sleep(0.2)
+
+    def counters(self) -> list[tuple[float, ...]]:
+        """Per worker: (prefix-cache queries, hits) in tokens, and the engine's own TTFT
+        histogram (sum in model seconds, count) when it exports one."""
+        out: list[tuple[float, ...]] = []
+        for spec in self.specs:
+            status, text = http_get(spec.url + "/metrics", 5.0)
+            if status != 200:
+                raise ProcError(f"{spec.endpoint}/metrics: HTTP {status}")
+            m = metric_sums(text, [QUERIES, HITS, TTFT_SUM, TTFT_COUNT])
+            out.append((m[QUERIES], m[HITS], m[TTFT_SUM], m[TTFT_COUNT]))
+        return out
+
+
+def reset_prefix_cache(url: str) -> tuple[int, bool]:
+    """POST /reset_prefix_cache: (status, reset done). vLLM answers 200 even when it refuses
+    (blocks in use); the sim says which in `X-Reset-Prefix-Cache: true|false`."""
+    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=5.0) as r:
+            return int(r.status), r.headers.get("X-Reset-Prefix-Cache", "true") != "false"
+    except urllib.error.HTTPError as e:
+        return int(e.code), False
+    except (urllib.error.URLError, OSError):
+        return 0, False
