@@ -201,6 +201,12 @@ class TokensConfig(Strict):
     segment_cache_bytes: int = Field(64 * 1024 * 1024, ge=0)
     # Map LoRA adapter names to their base model (they share its tokenizer).
     lora_base: dict[str, str] = Field(default_factory=dict)
+    # A body's `chat_template` is code from the client: ignored (the model's template is
+    # used, counted) unless allowed, like vLLM's --trust-request-chat-template. When
+    # allowed it renders in the thread pool within a time and an output budget.
+    allow_request_chat_template: bool = False
+    request_template_timeout_s: float = Field(0.5, gt=0)
+    request_template_max_chars: int = Field(4 * 1024 * 1024, ge=1024)
 
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's model names (its blocks live in the adapter's
