@@ -30,6 +30,7 @@ from grpc_health.v1.health_pb2 import HealthCheckRequest
 from pydantic import ValidationError
 
 from scorer.api.admin import AdminServer, Route
+from scorer.api.auth import BearerToken, GuardedScorer, TokenError
 from scorer.api.health import Health
 from scorer.api.inference_metrics import POOLS, observe_completion
 from scorer.api.readiness import ReadinessGate
@@ -61,7 +62,8 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
     through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
     "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape".
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape", "health"
+    (scorer.pool.health.HealthMonitor).
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -71,6 +73,7 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
     from scorer.blocks import BlockHasher
     from scorer.events.ingest import EventIngest
     from scorer.index import BlockIndex
+    from scorer.pool.health import HealthMonitor
     from scorer.pool.scrape import LoadScraper
     from scorer.tokens.service import NoTokenizer, Tokenization
 
@@ -87,15 +90,28 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
 
     events = EventIngest(config, pool, index, hasher, tokenize=debug_tokenize)
     scraper = LoadScraper(config, pool)
-    components: list[Any] = [tokens, scraper]
+    # First in the list: it starts before (and stops after) every part that reports evidence.
+    health = HealthMonitor(config, pool, index)
+    components: list[Any] = [health, tokens, scraper]
+    if config.pool.discovery.enabled:
+        from scorer.pool.discovery import PoolDiscovery
+
+        # Last to start (after the event subscriptions exist), first to stop.
+        components.append(PoolDiscovery(config, pool))
     if config.events.enabled:
-        components.append(events)
+        components.insert(2, events)
+        if config.events.bind:
+            from scorer.events.pool_socket import PoolEventSocket
+
+            # One SUB socket for every engine of the pool (topic names the worker).
+            components.insert(3, PoolEventSocket(config, pool, events))
     services: dict[str, Any] = {
         "hasher": hasher,
         "index": index,
         "events": events,
         "tokens": tokens,
         "scrape": scraper,
+        "health": health,
     }
     return components, services
 
@@ -139,6 +155,8 @@ class App:
         self.services["events"].dry_run = self.director.dry_run
         self.health = Health()
         events = self.services.get("events")
+        # Components with a first sync to finish (Kubernetes discovery) hold readiness.
+        syncing = [c for c in self.components if hasattr(c, "synced")]
         self.readiness = ReadinessGate(
             self.pool,
             lambda: (
@@ -147,18 +165,38 @@ class App:
                 else {}
             ),
             config.server.readiness_events_timeout_s,
+            synced=lambda: all(c.synced.is_set() for c in syncing),
         )
         self._ready_task: asyncio.Task[None] | None = None
         self.extproc = ExtProcServicer(config, self.director)
         self.scorer = ScorerService(self.director, self.services.get("hasher"))
         # The inference extension's request families, once per finished request.
         self.director.completion_hooks.append(observe_completion)
+        # Requests that failed on a worker are health evidence (scorer.pool.health).
+        health = self.services.get("health")
+        if health is not None:
+            self.director.completion_hooks.append(health.on_completion)
+        # server.auth_token_file guards Score, /metrics and /debug/* (scorer.api.auth).
+        token = None
+        if config.server.auth_token_file:
+            try:
+                token = BearerToken(config.server.auth_token_file)
+            except TokenError as e:
+                raise ConfigError(str(e)) from e
+        self.scorer_rpc: Any = GuardedScorer(self.scorer, token) if token else self.scorer
         routes: list[Route] = []
         for c in self.components:
             if hasattr(c, "routes"):
                 routes.extend(c.routes())
         s = config.server
-        self.admin = AdminServer(s.host, s.admin_port, self.decisions, routes)
+        self.admin = AdminServer(
+            s.host,
+            s.admin_port,
+            self.decisions,
+            routes,
+            token=token,
+            debug_endpoints=s.debug_endpoints,
+        )
         self.extproc_server: grpc.aio.Server | None = None
         self.extproc_h2: H2GrpcServer | None = None
         self.health_server: grpc.aio.Server | None = None
@@ -189,7 +227,7 @@ class App:
             self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
             add_extproc_h2(self.extproc, self.extproc_h2)
             self.extproc_h2.add_handler(
-                "/scorer.v1.Scorer/Score", unary(self.scorer.Score), ScoreRequest.FromString
+                "/scorer.v1.Scorer/Score", unary(self.scorer_rpc.Score), ScoreRequest.FromString
             )
             self.extproc_h2.add_handler(
                 "/grpc.health.v1.Health/Check",
@@ -207,7 +245,7 @@ class App:
         else:
             self.extproc_server = grpc.aio.server(options=opts)
             add_extproc(self.extproc, self.extproc_server)
-            add_scorer(self.scorer, self.extproc_server)
+            add_scorer(self.scorer_rpc, self.extproc_server)
             self.health.add_to_server(self.extproc_server)
             addr = f"{s.host}:{s.extproc_port}"
             if self.tls is not None:
@@ -344,6 +382,25 @@ def register(subparsers: Any) -> None:
         metavar="IP:PORT",
         help="a worker endpoint (repeatable; replaces pool.workers)",
     )
+    k = p.add_argument_group(
+        "Kubernetes discovery (pool.discovery; the reference endpoint picker's flags)"
+    )
+    k.add_argument("--pool-name", help="InferencePool to follow (pool.discovery.pool_name)")
+    k.add_argument(
+        "--pool-namespace", help="its namespace (default: env NAMESPACE, then 'default')"
+    )
+    k.add_argument("--pool-group", help="InferencePool API group (inference.networking.k8s.io)")
+    k.add_argument(
+        "--endpoint-selector",
+        metavar="LABELS",
+        help="standalone mode without the CRD: pods matching e.g. app=vllm",
+    )
+    k.add_argument(
+        "--endpoint-target-ports",
+        metavar="PORTS",
+        help="standalone mode: comma-separated ports per pod, e.g. 8000 or 8000,8001",
+    )
+    k.add_argument("--kubeconfig", help="kubeconfig file (default: env KUBECONFIG, in-cluster)")
     p.add_argument("--policy", help="routing policy (round_robin, random, least_loaded, ...)")
     p.add_argument("--host", help="listen address (server.host)")
     p.add_argument("--extproc-port", type=int, help="ext_proc gRPC port (default 9002)")
@@ -390,6 +447,16 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         over["server"] = server
     if getattr(args, "worker", None):
         over["pool"] = {"workers": list(args.worker)}
+    discovery: dict[str, Any] = {}
+    for flag in ("pool_name", "pool_namespace", "pool_group", "endpoint_selector", "kubeconfig"):
+        v = getattr(args, flag, None)
+        if v is not None:
+            discovery[flag] = v
+    ports = getattr(args, "endpoint_target_ports", None)
+    if ports is not None:
+        discovery["endpoint_target_ports"] = [p.strip() for p in ports.split(",") if p.strip()]
+    if discovery:
+        over.setdefault("pool", {})["discovery"] = discovery
     if getattr(args, "policy", None):
         over["policy"] = args.policy
     if getattr(args, "log_level", None):

@@ -19,6 +19,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 ENV_PREFIX = "KV_SCORER_"
@@ -76,6 +77,11 @@ class ServerConfig(Strict):
     # reports ready with the streams still connecting). Keep it below the liveness
     # probe's budget: the reference charts probe "inference-extension" for liveness too.
     readiness_events_timeout_s: float = Field(10.0, ge=0)
+    # A file holding a bearer token: when set, /metrics, /debug/* and scorer.v1 Score need
+    # `Authorization: Bearer <token>` (re-read when the file changes). Off by default.
+    auth_token_file: str | None = None
+    # false: no /debug/* routes on the admin server (404).
+    debug_endpoints: bool = True
 
 
 class ExtProcConfig(Strict):
@@ -103,8 +109,10 @@ class EventsEndpointConfig(Strict):
 
     endpoint: str  # tcp://host:port
     # connect: we connect to the engine's bound PUB (vLLM `tcp://*:PORT`);
-    # bind: we bind and the engine connects (vLLM `tcp://host:PORT`).
-    mode: Literal["connect", "bind"] = "connect"
+    # bind: we bind and the engine connects (vLLM `tcp://host:PORT`);
+    # pool: the engine publishes to the pool socket (`events.bind`) with topic
+    # `kv@<ip>:<port>@<model>`; `endpoint` is then unused, `replay_endpoint` still applies.
+    mode: Literal["connect", "bind", "pool"] = "connect"
     replay_endpoint: str | None = None  # vLLM `replay_endpoint` (ROUTER)
     topic: str = ""
 
@@ -130,16 +138,98 @@ class WorkerConfig(Strict):
         return {"endpoint": v} if isinstance(v, str) else v
 
 
+class DiscoveryConfig(Strict):
+    """Workers from the Kubernetes API (scorer.pool.discovery): an InferencePool's pods, or
+    pods matching a label selector (standalone). The reference picker's flags, same names."""
+
+    # InferencePool to follow (--pool-name). Set this or endpoint_selector, not both.
+    pool_name: str | None = None
+    # Namespace of the pool and its pods (--pool-namespace); None: env NAMESPACE, then
+    # "default" (gateway-api-inference-extension cmd/epp/runner/runner.go).
+    pool_namespace: str | None = None
+    pool_group: str = "inference.networking.k8s.io"
+    # Standalone mode without the CRD: "app=vllm,tier=a" and the ports to route to.
+    endpoint_selector: str | None = None
+    endpoint_target_ports: list[int] = Field(default_factory=list, max_length=8)
+    # KUBECONFIG file; None: env KUBECONFIG, then the in-cluster service account, then
+    # ~/.kube/config (controller-runtime's order).
+    kubeconfig: str | None = None
+    # Scrape http://podIP:<metrics_port or the target port><metrics_path> per worker.
+    metrics_path: str = "/metrics"
+    metrics_port: int | None = Field(None, ge=1, le=65535)
+    # Per-worker KV events in connect mode: tcp://podIP:<events_port>; replay (vLLM
+    # replay_endpoint) on tcp://podIP:<events_replay_port>. Port annotations on the pod
+    # (kv-scorer.io/events-port, kv-scorer.io/events-replay-port) override these. Leave
+    # events_port unset when the pods publish to the pool socket (events.bind).
+    events_port: int | None = Field(None, ge=1, le=65535)
+    events_replay_port: int | None = Field(None, ge=1, le=65535)
+    # Models each discovered worker serves (empty: whatever the pool serves).
+    models: list[str] = Field(default_factory=list)
+    # Watch hygiene: server-side timeout of one watch request; a watch that delivers
+    # nothing (not even a bookmark) for stall_timeout_s is restarted from its
+    # resourceVersion; API errors back off exponentially from backoff_initial_s.
+    watch_timeout_s: int = Field(300, ge=1)
+    stall_timeout_s: float = Field(60.0, gt=0)
+    backoff_initial_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(30.0, gt=0)
+    list_page_size: int = Field(500, ge=1)
+
+    @field_validator("endpoint_target_ports")
+    @classmethod
+    def _ports(cls, v: list[int]) -> list[int]:
+        for p in v:
+            if not 0 < p < 65536:
+                raise ValueError(f"port {p} out of range 1..65535")
+        if len(set(v)) != len(v):
+            raise ValueError("ports must be unique")
+        return v
+
+    @field_validator("endpoint_selector")
+    @classmethod
+    def _selector(cls, v: str | None) -> str | None:
+        if v is not None:
+            from scorer.pool.kubeapi import parse_selector
+
+            parse_selector(v)
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.pool_name or self.endpoint_selector)
+
+    def namespace(self, environ: Mapping[str, str] | None = None) -> str:
+        """pool_namespace, else env NAMESPACE, else "default"."""
+        env = os.environ if environ is None else environ
+        return self.pool_namespace or env.get("NAMESPACE") or "default"
+
+
+class HealthConfig(Strict):
+    """Worker health from evidence (scorer.pool.health): ejection and readmission."""
+
+    # Off: workers are never ejected (every worker is always eligible).
+    enabled: bool = True
+    # Confirmation probe: a TCP connect to the worker's endpoint ("tcp"), or an HTTP GET of
+    # `probe_path` on it that must answer 2xx ("http"). Never on the request path.
+    probe: Literal["tcp", "http"] = "tcp"
+    probe_path: str = "/health"
+    probe_timeout_s: float = Field(1.0, gt=0)
+    # Backoff of the probes of an ejected worker: first interval, doubled up to the max.
+    probe_interval_s: float = Field(0.5, gt=0)
+    probe_max_interval_s: float = Field(10.0, gt=0)
+
+
 class PoolConfig(Strict):
-    """The static worker pool."""
+    """The worker pool: a static list, or discovered from Kubernetes (pool.discovery)."""
 
     # The InferencePool's name: label `name` of the inference_pool_* metrics.
     name: str = Field("default", min_length=1)
     workers: list[WorkerConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     # Models served by the pool. Empty: accept any model name and let the workers answer.
     models: list[str] = Field(default_factory=list)
     # Engine block size in tokens; events and vllm:cache_config_info must agree.
     block_size: int = Field(16, ge=1, le=4096)
+    health: HealthConfig = Field(default_factory=HealthConfig)
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -147,6 +237,17 @@ class PoolConfig(Strict):
         if isinstance(v, list):
             return [{"endpoint": w} if isinstance(w, str) else w for w in v]
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PoolConfig:
+        d = self.discovery
+        if d.pool_name and d.endpoint_selector:
+            raise ValueError("discovery: set pool_name or endpoint_selector, not both")
+        if d.endpoint_selector and not d.endpoint_target_ports:
+            raise ValueError("discovery: endpoint_selector needs endpoint_target_ports")
+        if d.enabled and self.workers:
+            raise ValueError("discovery: pool.workers must be empty when discovery is on")
+        return self
 
 
 class EventsConfig(Strict):
@@ -171,6 +272,16 @@ class EventsConfig(Strict):
     max_events_per_s: float = Field(200_000.0, gt=0)
     # A subscriber task that fails is restarted after this backoff (doubling up to 30 s).
     restart_backoff_s: float = Field(0.1, gt=0)
+    # One SUB socket for the whole pool (llm-d's convention): every engine connects to it
+    # and names itself in its topic `kv@<ip>:<port>@<model>` (scorer.events.pool_socket).
+    # Empty: only per-worker sockets (pool.workers[].events or discovery.events_port).
+    bind: str | None = None
+    # Events from a topic that names no known worker are held this long (the pod may be
+    # discovered a moment later), at most hold_max_messages per topic, then dropped.
+    unknown_topic_hold_s: float = Field(5.0, ge=0)
+    hold_max_messages: int = Field(256, ge=0)
+    hold_max_topics: int = Field(64, ge=0)
+    hold_max_bytes: int = Field(16 * 1024 * 1024, ge=0)
 
 
 class IndexConfig(Strict):

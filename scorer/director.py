@@ -219,6 +219,11 @@ class Director:
             t_tok = time.perf_counter()
             await self.preparer.prepare(request)
             request.stages.setdefault("tokenize", time.perf_counter() - t_tok)
+            # The pool can change while the prompt is tokenized (scorer.pool.discovery):
+            # never decide for a worker that has left it since.
+            candidates = [w for w in candidates if self.pool.workers.get(w.endpoint) is w]
+            if not candidates:
+                return self._no_candidates(request)
         return self._decide(request, candidates, t0)
 
     def decide_prepared(self, request: RoutingRequest, dry_run: bool = False) -> Decision:

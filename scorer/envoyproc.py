@@ -35,7 +35,29 @@ def _addr(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _static_cluster(name: str, endpoints: Sequence[str], http2: bool = False) -> dict[str, Any]:
+# The scorer cluster's circuit breaker. Envoy's defaults (1,024 requests, 1,024 pending;
+# envoy/config/cluster/v3/circuit_breaker.proto) would cap the gateway at 1,024 requests in
+# flight: with response tracking each running generation holds one ext_proc stream, so
+# request 1,025 failed with 500 (issue 11).
+SCORER_CIRCUIT_BREAKERS: dict[str, Any] = {
+    "thresholds": [
+        {
+            "priority": "DEFAULT",
+            "max_connections": 1024,
+            "max_pending_requests": 65536,
+            "max_requests": 65536,
+            "max_retries": 3,
+        }
+    ]
+}
+
+
+def _static_cluster(
+    name: str,
+    endpoints: Sequence[str],
+    http2: bool = False,
+    circuit_breakers: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     lb = []
     for ep in endpoints:
         host, _, port = ep.rpartition(":")
@@ -47,6 +69,8 @@ def _static_cluster(name: str, endpoints: Sequence[str], http2: bool = False) ->
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": lb}]},
     }
+    if circuit_breakers is not None:
+        c["circuit_breakers"] = circuit_breakers
     if http2:
         c["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -213,7 +237,12 @@ def render_envoy_config(
             "connect_timeout": "5s",
             "original_dst_lb_config": odc,
         },
-        _static_cluster("kv_scorer", [f"{extproc_host}:{extproc_port}"], http2=True),
+        _static_cluster(
+            "kv_scorer",
+            [f"{extproc_host}:{extproc_port}"],
+            http2=True,
+            circuit_breakers=SCORER_CIRCUIT_BREAKERS,
+        ),
     ]
     if direct_backends:
         listeners.append(_listener("direct", host, direct_port, "direct_backends", []))

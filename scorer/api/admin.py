@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from scorer.api.auth import BearerToken, admin_middleware
 from scorer.decisions import DecisionLog
 from scorer.errors import json_error
 
@@ -23,6 +24,8 @@ class AdminServer:
         port: int,
         decisions: DecisionLog,
         extra_routes: Iterable[Route] = (),
+        token: BearerToken | None = None,
+        debug_endpoints: bool = True,
     ) -> None:
         self.host = host
         self.port = port
@@ -30,13 +33,17 @@ class AdminServer:
         self.ready = False
         # Why /readyz answers 503 (the start-up gate's reason, or "shutting down").
         self.not_ready_reason = "starting"
-        self.app = web.Application()
+        # server.auth_token_file: /metrics and /debug/* need the bearer token.
+        self.app = web.Application(middlewares=[admin_middleware(token)] if token else [])
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_get("/readyz", self.readyz)
-        self.app.router.add_get("/debug/decisions", self.debug_decisions)
-        for method, path, handler in extra_routes:
-            self.app.router.add_route(method, path, handler)
+        routes: list[Route] = [("GET", "/debug/decisions", self.debug_decisions)]
+        routes.extend(extra_routes)
+        for method, path, handler in routes:
+            # server.debug_endpoints: false leaves every /debug/* route out (404).
+            if debug_endpoints or not path.startswith("/debug/"):
+                self.app.router.add_route(method, path, handler)
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> int:

@@ -4,6 +4,8 @@ The reference picker reports ready only once its pool has synced
 (gateway-api-inference-extension v1.5.0 `cmd/epp/runner/health.go`: every check is
 `datastore.PoolHasSynced()`). Ours waits for the same things a first request needs:
 
+- the pool's source has synced (scorer.pool.discovery: the InferencePool and its pods
+  listed once; a static pool is synced from the start), and
 - the pool has at least one worker (a picker with no workers can only answer 503), and
 - every KV-event stream has connected, or `server.readiness_events_timeout_s` has passed
   since the servers bound (a worker whose publisher is not up yet must not keep the
@@ -43,8 +45,10 @@ class ReadinessGate:
         streams: StreamStates,
         events_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        synced: Callable[[], bool] = lambda: True,
     ) -> None:
         self.pool = pool
+        self.synced = synced
         self.streams = streams
         self.events_timeout_s = events_timeout_s
         self.clock = clock
@@ -59,6 +63,8 @@ class ReadinessGate:
         """Open (and stay open) when the pool has workers and streams are up or timed out."""
         if self.opened:
             return GateState(True, "ready")
+        if not self.synced():
+            return GateState(False, "waiting for the first sync of the pool from Kubernetes")
         if len(self.pool) == 0:
             return GateState(False, "waiting for workers: the pool is empty")
         states = self.streams()

@@ -112,5 +112,5 @@ def decision_to_proto(d: Decision) -> scorer_pb2.ScoreResponse:
     return resp
 
 
-def add_to_server(service: ScorerService, server: grpc.aio.Server) -> None:
+def add_to_server(service: scorer_pb2_grpc.ScorerServicer, server: grpc.aio.Server) -> None:
     scorer_pb2_grpc.add_ScorerServicer_to_server(service, server)  # type: ignore[no-untyped-call]

@@ -16,6 +16,7 @@ It starts one `Subscriber` per pool worker that has `events` configured (when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ from scorer.events.apply import Applier
 from scorer.events.subscriber import StreamStatus, Subscriber
 from scorer.index import BlockIndex
 from scorer.pool import Pool
+from scorer.pool.workers import PoolChange
 from scorer.routing import Decision
 
 Tokenize = Callable[[str | None, dict[str, Any]], list[int] | None]
@@ -60,25 +62,70 @@ class EventIngest:
         self.applier = Applier(index, hasher)
         self.subscribers: dict[str, Subscriber] = {}
         self._context: zmq.asyncio.Context | None = None
+        # Workers come and go (scorer.pool.discovery): follow the pool from now on.
+        self._closing: set[asyncio.Task[None]] = set()
+        pool.subscribe(self._pool_changed)
+
+    def _pool_changed(self, change: PoolChange) -> None:
+        """Added: purge leftovers, subscribe. Removed: close its subscription first (no
+        event of the old pod applies after this), then drop its index entries."""
+        ep = change.worker.endpoint
+        sub = self.subscribers.pop(ep, None)
+        if sub is not None:
+            sub.cancel()
+            task = asyncio.get_running_loop().create_task(sub.stop())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        self.index.purge(ep)
+        if change.change == "removed":
+            self.applier.stats.pop(ep, None)
+            return
+        events = change.worker.config.events
+        if self._context is not None and events is not None and events.mode != "pool":
+            sub = Subscriber(
+                ep,
+                events,
+                self.applier,
+                self.config.events,
+                self._context,
+                on_disconnect=self._dropped,
+            )
+            self.subscribers[ep] = sub
+            task = asyncio.get_running_loop().create_task(sub.start())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def start(self) -> None:
         """Open a SUB socket per worker (connect or bind, per its `events.mode`)."""
         if not self.config.events.enabled:
             return
         self._context = zmq.asyncio.Context()
-        for w in self.pool:
-            if w.config.events is None:
+        for w in list(self.pool):
+            ev = w.config.events
+            if ev is None or ev.mode == "pool" or w.endpoint in self.subscribers:
                 continue
             sub = Subscriber(
-                w.endpoint, w.config.events, self.applier, self.config.events, self._context
+                w.endpoint,
+                ev,
+                self.applier,
+                self.config.events,
+                self._context,
+                on_disconnect=self._dropped,
             )
             self.subscribers[w.endpoint] = sub
             await sub.start()
+
+    def _dropped(self, endpoint: str) -> None:
+        # Evidence for scorer.pool.health (confirmed by a probe of the serving port).
+        self.pool.report(endpoint, "events_dropped", "KV-event stream disconnected")
 
     async def stop(self) -> None:
         for sub in self.subscribers.values():
             await sub.stop()
         self.subscribers.clear()
+        for task in list(self._closing):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         if self._context is not None:
             self._context.term()
             self._context = None

@@ -117,6 +117,7 @@ class Subscriber:
         config: EventsConfig,
         context: zmq.asyncio.Context,
         on_message: Callable[[Message], None] | None = None,
+        on_disconnect: Callable[[str], None] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.events = events
@@ -124,6 +125,9 @@ class Subscriber:
         self.config = config
         self.context = context
         self.on_message = on_message
+        # Called with the endpoint when the stream's last ZMQ peer disconnects (evidence
+        # for scorer.pool.health; it probes the worker before acting on it).
+        self.on_disconnect = on_disconnect
         self.status = StreamStatus()
         self.stats = StreamStats()
         self._logged: set[str] = set()
@@ -146,6 +150,11 @@ class Subscriber:
         # Bind mode: wait for the first bind attempt so a caller can read bound_endpoint.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), 5.0)
+
+    def cancel(self) -> None:
+        """Stop applying now (synchronously: the worker left the pool); `stop()` closes."""
+        for t in self._tasks:
+            t.cancel()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -267,6 +276,8 @@ class Subscriber:
                 if now != before:
                     self.status.connected = now
                     CONNECTED.inc() if now else CONNECTED.dec()
+                    if not now and self.on_disconnect is not None:
+                        self.on_disconnect(self.endpoint)
                 if ev == zmq.EVENT_DISCONNECTED and self.events.mode != "bind":
                     self._log_once("disconnect", f"KV-event stream {self.endpoint} dropped")
                     return  # _run opens a new socket

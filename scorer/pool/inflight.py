@@ -97,6 +97,27 @@ class InflightTracker:
         else:
             wl.decode_blocks -= f.total_blocks
 
+    def drop_endpoint(self, endpoint: str) -> int:
+        """Forget every in-flight request on `endpoint` (the worker was ejected): its counters
+        go to zero and the streams' later `finished` calls are no-ops. Returns how many."""
+        gone = [rid for rid, f in self._flights.items() if f.endpoint == endpoint]
+        for rid in gone:
+            del self._flights[rid]
+        wl = self.loads.get(endpoint)
+        if wl is not None:
+            wl.requests = 0
+            wl.prefill_tokens = 0
+            wl.prefill_blocks = 0.0
+            wl.decode_blocks = 0.0
+        return len(gone)
+
+    def forget(self, endpoint: str) -> None:
+        """The worker left the pool: drop every flight routed to it (their ends, if they
+        come, are then no-ops) and its counters, so a new worker at the address starts
+        clean."""
+        self.drop_endpoint(endpoint)
+        self.loads.pop(endpoint, None)
+
     def endpoint_of(self, request_id: str) -> str | None:
         """Where an in-flight request was routed, if it is still in flight."""
         f = self._flights.get(request_id)

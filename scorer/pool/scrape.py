@@ -23,9 +23,11 @@ are summed, usage is averaged.
 The staleness rule (documented in docs/policy.md and used by the policies through
 `fresh_scrape`): a scrape older than `load.stale_after_s` (or none yet) is IGNORED — its
 waiting queue and KV usage count as unknown and only the router's own in-flight
-accounting counts. Failing scrapes never mark a worker unhealthy and never make it look
-saturated: health belongs to the data path (Envoy outlier detection / the extproc), and
-a metrics port can fail while the serving port is fine. Staleness is visible per worker
+accounting counts. A failing scrape never marks a worker unhealthy by itself and never
+makes it look saturated (a slow or timed-out scrape is not evidence; a metrics port can
+fail while the serving port is fine). A REFUSED or RESET connection is reported as
+evidence to scorer.pool.health, which confirms it with a probe of the serving endpoint
+before ejecting anyone. Staleness is visible per worker
 in `GET /debug/pool` and in `kv_scorer_scrape_stale{endpoint}`.
 """
 
@@ -45,7 +47,8 @@ from prometheus_client import Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from scorer.config import Config
-from scorer.pool.workers import Pool, ScrapedLoad, Worker
+from scorer.pool.health import METRICS_REFUSED, describe, is_refusal
+from scorer.pool.workers import Pool, PoolChange, ScrapedLoad, Worker
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +217,20 @@ class LoadScraper:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         self._warned_block_size: set[str] = set()
+        pool.subscribe(self._pool_changed)
+
+    def _pool_changed(self, change: PoolChange) -> None:
+        """A worker left: drop its per-endpoint series (pods churn; series must not grow)."""
+        if change.change != "removed":
+            return
+        ep = change.worker.endpoint
+        self._warned_block_size.discard(ep)
+        for gauge in (SCRAPE_STALE, SCRAPE_FAILURES, BLOCK_SIZE_MISMATCH):
+            with contextlib.suppress(KeyError):
+                gauge.remove(ep)
+        for result in ("ok", "error", "timeout", "bad_payload"):
+            with contextlib.suppress(KeyError):
+                SCRAPES.remove(ep, result)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -256,6 +273,8 @@ class LoadScraper:
         now = self.clock()
         stale_after = self.config.load.stale_after_s
         for w in workers:
+            if self.pool.get(w.endpoint) is not w:
+                continue  # left the pool during the round
             SCRAPE_STALE.labels(w.endpoint).set(
                 0 if fresh_scrape(w.scraped, now, stale_after) else 1
             )
@@ -276,7 +295,13 @@ class LoadScraper:
         except TimeoutError:
             return self._failed(worker, "timeout", "timeout")
         except (aiohttp.ClientError, OSError) as e:
+            if is_refusal(e):
+                # The worker's own host refused or reset us: evidence for scorer.pool.health
+                # (which confirms it on the serving port). Timeouts above are not evidence.
+                self.pool.report(worker.endpoint, METRICS_REFUSED, f"{type(e).__name__}: {e}")
             return self._failed(worker, "error", f"{type(e).__name__}: {e}")
+        if self.pool.get(worker.endpoint) is not worker:
+            return False  # left the pool while we waited: keep no series for it
         try:
             parsed = parse_metrics(text)
         except ValueError as e:
@@ -342,6 +367,7 @@ class LoadScraper:
                 {
                     "endpoint": w.endpoint,
                     "healthy": w.healthy,
+                    "health": describe(w, now),
                     "models": list(w.config.models),
                     "inflight": {
                         "requests": w.inflight.requests,

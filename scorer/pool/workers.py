@@ -1,13 +1,37 @@
-"""The static worker pool from configuration, and each worker's live view."""
+"""The worker pool (static from configuration, or kept by scorer.pool.discovery) and each
+worker's live view.
+
+Membership changes go through `Pool.add` / `Pool.remove`, each with a reason; parts that
+keep per-worker state (event subscriptions, the index, the scraper) subscribe with
+`Pool.subscribe(listener)` and are told synchronously, on the event loop, so a removed
+worker is gone from every part before the next request is decided.
+"""
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
+
+from prometheus_client import Counter, Gauge
 
 from scorer.config import Config, WorkerConfig
 from scorer.pool.inflight import InflightTracker, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+# Why a worker joined or left the pool (the `reason` label of kv_scorer_pool_changes_total).
+ADD_REASONS = ("config", "ready", "replaced")
+REMOVE_REASONS = ("not_ready", "deleted", "deleting", "deselected", "replaced", "port_removed")
+
+POOL_CHANGES = Counter(
+    "kv_scorer_pool_changes_total",
+    "Workers added to or removed from the pool, by change and reason",
+    ["change", "reason"],
+)
+POOL_WORKERS = Gauge("kv_scorer_pool_workers", "Workers in the pool")
 
 
 @dataclass(slots=True)
@@ -31,6 +55,28 @@ class ScrapedLoad:
     attempts: int = 0  # scrapes tried (success or not)
 
 
+@dataclass(slots=True)
+class HealthState:
+    """Why a worker is out of rotation (scorer.pool.health); shown by /debug/pool."""
+
+    reason: str | None = None  # the evidence that ejected it; None while healthy
+    detail: str = ""
+    since: float = 0.0  # monotonic time of the ejection
+    ejections: int = 0
+    probes: int = 0  # probes since the ejection
+    last_probe: str | None = None  # what the newest failed probe saw
+    last_evidence: str | None = None  # newest evidence, confirmed or not
+    dismissed: int = 0  # evidence a probe found the worker alive for
+
+
+# (endpoint, evidence kind, detail): how any part reports a failure seen on a worker.
+EvidenceSink = Callable[[str, str, str], None]
+
+
+def _no_sink(endpoint: str, kind: str, detail: str) -> None:
+    return None
+
+
 @dataclass
 class Worker:
     """One model server. `endpoint` is what Envoy connects to (`ip:port`)."""
@@ -39,6 +85,10 @@ class Worker:
     inflight: WorkerLoad
     healthy: bool = True
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    health: HealthState = field(default_factory=HealthState)
+    # Where it came from: "config", or the pod ("namespace/name", uid) that owns the address.
+    pod: str | None = None
+    pod_uid: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -53,6 +103,18 @@ class Worker:
         return model is None or not self.config.models or model in self.config.models
 
 
+@dataclass(frozen=True, slots=True)
+class PoolChange:
+    """One membership change, handed to every listener."""
+
+    change: Literal["added", "removed"]
+    worker: Worker
+    reason: str
+
+
+PoolListener = Callable[[PoolChange], None]
+
+
 class Pool:
     """All workers, plus the router's in-flight accounting shared with the data path."""
 
@@ -60,14 +122,24 @@ class Pool:
         self.inflight = InflightTracker()
         self.models = frozenset(models)
         self.workers: dict[str, Worker] = {}
+        self._listeners: list[PoolListener] = []
         for wc in workers:
             self.workers[wc.endpoint] = Worker(wc, self.inflight.load(wc.endpoint))
+        POOL_WORKERS.set(len(self.workers))
+        # scorer.pool.health installs itself here; until then evidence is ignored.
+        self.evidence_sink: EvidenceSink = _no_sink
+
+    def report(self, endpoint: str, kind: str, detail: str = "") -> None:
+        """Evidence that `endpoint` failed (a refused connection, a dropped event stream, a
+        failed request). Cheap and synchronous: the health monitor confirms it off the
+        request path. Safe to call for unknown endpoints."""
+        self.evidence_sink(endpoint, kind, detail)
 
     @classmethod
     def from_config(cls, config: Config) -> Pool:
         return cls(config.pool.workers, config.pool.models)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Worker]:
         return iter(self.workers.values())
 
     def __len__(self) -> int:
@@ -75,6 +147,63 @@ class Pool:
 
     def get(self, endpoint: str) -> Worker | None:
         return self.workers.get(endpoint)
+
+    # ---- membership --------------------------------------------------------------------
+
+    def subscribe(self, listener: PoolListener) -> Callable[[], None]:
+        """Call `listener` on every add/remove from now on; returns an unsubscribe function."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def add(
+        self,
+        config: WorkerConfig,
+        reason: str = "config",
+        pod: str | None = None,
+        pod_uid: str | None = None,
+    ) -> Worker:
+        """Add a worker (a worker already at that endpoint is removed first, "replaced")."""
+        if config.endpoint in self.workers:
+            self.remove(config.endpoint, "replaced")
+        self.inflight.forget(config.endpoint)
+        w = Worker(config, self.inflight.load(config.endpoint), pod=pod, pod_uid=pod_uid)
+        self.workers[config.endpoint] = w
+        self._tell(PoolChange("added", w, reason))
+        return w
+
+    def remove(self, endpoint: str, reason: str) -> Worker | None:
+        """Remove a worker: no new requests, its in-flight accounting dropped, listeners told
+        (they close its event subscription and drop its index entries)."""
+        w = self.workers.pop(endpoint, None)
+        if w is None:
+            return None
+        w.healthy = False  # a policy still holding the object never picks it
+        self.inflight.forget(endpoint)
+        self._tell(PoolChange("removed", w, reason))
+        return w
+
+    def _tell(self, change: PoolChange) -> None:
+        POOL_CHANGES.labels(change.change, change.reason).inc()
+        POOL_WORKERS.set(len(self.workers))
+        log.info(
+            "worker %s %s (%s%s)",
+            change.worker.endpoint,
+            change.change,
+            change.reason,
+            f", pod {change.worker.pod}" if change.worker.pod else "",
+        )
+        for listener in list(self._listeners):
+            try:
+                listener(change)
+            except Exception:  # one broken part must not stop the others from hearing
+                log.exception("pool listener %r failed on %s", listener, change)
+
+    # ---- the request path --------------------------------------------------------------
 
     def serves_model(self, model: str | None) -> bool:
         """A pool that lists no models accepts any model name and lets the workers answer."""

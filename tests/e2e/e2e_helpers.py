@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,14 @@ async def start_backend(name: str, host: str = "127.0.0.1") -> Backend:
                 b.release.clear()
             await resp.write_eof()
             return resp
+        if request.path == "/stream":
+            # A long SSE stream with known bytes (sse_events), flushed event by event.
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for ev in sse_events(int(request.query.get("n", "100")), b.name):
+                await resp.write(ev)
+            await resp.write_eof()
+            return resp
         if request.path == "/slow":
             await asyncio.sleep(float(request.query.get("s", "1")))
         return web.json_response(
@@ -70,6 +79,23 @@ async def start_backend(name: str, host: str = "127.0.0.1") -> Backend:
     b = Backend(name, runner, port, host)
     holder["b"] = b
     return b
+
+
+def sse_events(n: int, name: str) -> list[bytes]:
+    """The events `/stream?n=N` sends: N chunks of an OpenAI-style completion stream, the
+    last one with `usage`, then `[DONE]` (clients compare every byte)."""
+    out = []
+    for i in range(n):
+        chunk: dict[str, Any] = {
+            "id": "s",
+            "object": "text_completion",
+            "choices": [{"text": f"t{i} "}],
+        }
+        if i == n - 1:
+            chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}
+        out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    out.append(f"data: [DONE] {name}\n\n".encode())
+    return out
 
 
 def closed_port() -> int:

@@ -26,19 +26,30 @@ from scorer.envoyproc import GATEWAYS, GatewayPool, render_gateway_config
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 BODY = json.dumps({"model": "m", "prompt": "Write as if you were a critic: San Francisco"})
 
-# The gateways send response bodies FULL_DUPLEX_STREAMED and connect to the picker over
-# TLS (Envoy AI Gateway, kgateway). Until the scorer answers streamed response bodies
-# (issue 10 item 1) and serves TLS (item 2), these scenarios run with response bodies not
-# sent and plaintext; tests/e2e/test_gateway_suite.py covers the full shapes.
-SHAPE = {"response_body_mode": "NONE", "picker_tls": False}
+# The gateways send response bodies FULL_DUPLEX_STREAMED. Until the scorer answers
+# streamed response bodies (issue 10 item 1) these scenarios run with response bodies not
+# sent. TLS to the picker is each shape's own (Envoy AI Gateway and kgateway: always).
+SHAPE = {"response_body_mode": "NONE"}
 SELECTION = "test-epp-endpoint-selection"
 SERVED = "x-conformance-test-served-endpoint"
 
 
+def tls_server(gateway: str) -> dict[str, Any]:
+    """`server` config for a picker behind `gateway`: TLS where the gateway's default
+    picker connection is TLS (self-signed, as the reference picker's default)."""
+    server = scorer_config([]).server.model_dump()
+    server["tls"] = {"enabled": gateway != "istio"}
+    return server
+
+
 @asynccontextmanager
-async def picker(name: str, endpoints: list[str]) -> AsyncIterator[App]:
+async def picker(name: str, endpoints: list[str], gateway: str) -> AsyncIterator[App]:
     """A kv-scorer process-alike (in this process) picking for one pool."""
-    app = App(scorer_config(endpoints, pool={"name": name, "workers": endpoints}))
+    app = App(
+        scorer_config(
+            endpoints, pool={"name": name, "workers": endpoints}, server=tls_server(gateway)
+        )
+    )
     await app.start()
     try:
         yield app
@@ -60,7 +71,7 @@ async def test_weighted_across_two_pools(gateway: str, backends: list[Backend]) 
     pool its weighted cluster belongs to, and the split follows the weights."""
     a, b = [x.endpoint for x in backends[:2]], [backends[2].endpoint]
     names = {x.endpoint: x.name for x in backends}
-    async with picker("pool-a", a) as pa, picker("pool-b", b) as pb:
+    async with picker("pool-a", a, gateway) as pa, picker("pool-b", b, gateway) as pb:
         cfg = render_gateway_config(
             gateway,  # type: ignore[arg-type]
             listener_port=0,
@@ -97,7 +108,7 @@ async def test_multiple_rules_different_pools(gateway: str, backends: list[Backe
     two route rules, each to its own InferencePool and picker; no cross-talk."""
     a, b = [backends[0].endpoint], [x.endpoint for x in backends[1:]]
     names = {x.endpoint: x.name for x in backends}
-    async with picker("pool-a", a) as pa, picker("pool-b", b) as pb:
+    async with picker("pool-a", a, gateway) as pa, picker("pool-b", b, gateway) as pb:
         cfg = render_gateway_config(
             gateway,  # type: ignore[arg-type]
             listener_port=0,
@@ -141,7 +152,7 @@ async def test_fail_open_when_the_picker_is_down(
     away. Upstream expects 200 after that; here each shape's real outcome is asserted
     (FAIL_OPEN above; Envoy AI Gateway always fails closed, so it has no row)."""
     eps = [x.endpoint for x in backends]
-    app = App(scorer_config(eps))
+    app = App(scorer_config(eps, server=tls_server(gateway)))
     await app.start()
     stopped = False
     try:
@@ -194,6 +205,7 @@ async def conformance_setup(
         scorer_config(
             eps,
             extproc={"test_endpoint_selection": True, "echo_served_endpoint": True},
+            server=tls_server(gateway),
         )
     )
     await app.start()

@@ -515,17 +515,18 @@ async def test_header_block_bound_is_a_connection_error(bare, shape: str) -> Non
         c.close()
 
 
-async def test_stream_window_overrun_is_a_stream_flow_control_error(bare) -> None:
-    """DATA beyond the 16 MiB stream window we granted (padding counts, RFC 9113 §6.1):
-    RST_STREAM(FLOW_CONTROL_ERROR); the connection lives on."""
-    server, port = bare
+async def test_stream_window_overrun_is_a_stream_flow_control_error(server_with) -> None:
+    """DATA beyond the 8 MiB stream window we granted (padding counts, RFC 9113 §6.1):
+    RST_STREAM(FLOW_CONTROL_ERROR); the connection lives on. (max_buffered 1: no credit
+    is returned for message bytes, so the window is not refilled.)"""
+    server, port = await server_with(max_buffered=1)
     c = RawClient(port)
     try:
         hang = c.message(1, b"hang")  # 9 flow-controlled bytes, read by the handler
         await asyncio.to_thread(c.send, c.headers(1, []) + hang)
-        # The handler no longer reads: nothing is credited back. 15 padded 1 MiB frames
-        # and one of 1 MiB - 9 fill the window exactly: allowed.
-        full = b"".join(_msg_frame(1, MiB, pad=255) for _ in range(15))
+        # Past max_buffered nothing is credited back. 7 padded 1 MiB frames
+        # and one of 1 MiB - 9 fill the 8 MiB window exactly: allowed.
+        full = b"".join(_msg_frame(1, MiB, pad=255) for _ in range(7))
         full += _msg_frame(1, MiB - 9, pad=255)
         await asyncio.to_thread(c.send, full)
         fs = await asyncio.to_thread(_ping, c, b"window=0")
@@ -548,18 +549,18 @@ async def test_stream_window_overrun_is_a_stream_flow_control_error(bare) -> Non
         c.close()
 
 
-async def test_connection_window_overrun_is_a_connection_flow_control_error(bare) -> None:
-    """Unread data holds the 64 MiB connection window (credit returns as handlers read):
-    five streams within their own windows but over the connection's get
-    GOAWAY(FLOW_CONTROL_ERROR), so a peer ignoring flow control cannot make us buffer
-    more than 64 MiB per connection."""
-    _, port = bare
+async def test_connection_window_overrun_is_a_connection_flow_control_error(server_with) -> None:
+    """Past max_buffered (here 1 byte) no credit is returned, so unread data holds the
+    16 MiB connection window: streams within their own windows but over the connection's
+    get GOAWAY(FLOW_CONTROL_ERROR); a peer ignoring flow control cannot make us buffer
+    more than max_buffered + the connection window."""
+    _, port = await server_with(max_buffered=1)
     c = RawClient(port)
     try:
         chunk = _msg_frame(0, MiB)[9:]
-        for sid in (1, 3, 5, 7, 9):
-            # 4 x (9 + 13 MiB) + 9 + 12 MiB > 64 MiB: the 12th frame on stream 9 crosses.
-            frames_ = b"".join(T.frame(T.DATA, 0, sid, chunk) for _ in range(13 if sid < 9 else 12))
+        for sid in (1, 3, 5):
+            # 3 x 9 + 7 + 7 + 2 MiB > 16 MiB: the 2nd frame on stream 5 crosses.
+            frames_ = b"".join(T.frame(T.DATA, 0, sid, chunk) for _ in range(7 if sid < 5 else 2))
             await asyncio.to_thread(c.send, c.headers(sid, []) + c.message(sid, b"hang") + frames_)
         fs = await asyncio.to_thread(_until_eof, c)
         assert _goaway_code(fs) == T.FLOW_CONTROL_ERROR

@@ -94,3 +94,22 @@ async def test_client_disconnect_frees_the_request() -> None:
         assert not w.engine.running
         assert w.engine.cache.pinned_blocks == 0
         assert len(w.engine.cache) == 4  # the prompt's full blocks stay cached
+
+
+async def test_debug_kv_cache_reports_the_prefix_cache() -> None:
+    """GET /debug/kv_cache: the engine cache's block count (and hashes on request)."""
+    import aiohttp
+
+    from kvscorer_tools.sim.worker import SimWorker
+
+    sim = SimWorker(SimConfig(port=0, block_size=16, speed=100.0))
+    async with sim as w, aiohttp.ClientSession() as s:
+        async with s.get(w.url + "/debug/kv_cache") as r:
+            assert (await r.json())["blocks"] == 0
+        body = {"model": w.config.model, "prompt": list(range(1, 50)), "max_tokens": 1}
+        async with s.post(w.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+        async with s.get(w.url + "/debug/kv_cache?hashes=1") as r:
+            doc = await r.json()
+    assert doc["blocks"] == 3 == len(doc["block_hashes"])  # 49 tokens: 3 full blocks
+    assert set(doc["block_hashes"]) == set(w.engine.cache.cached_hashes())

@@ -32,17 +32,20 @@ from scorer.extproc.transport.frames import (
     PADDED,
     PING,
     PREFACE,
+    PRIORITY,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     PUSH_PROMISE,
     REFUSED_STREAM,
     RST_STREAM,
+    S_ENABLE_PUSH,
     S_INITIAL_WINDOW_SIZE,
     S_MAX_CONCURRENT_STREAMS,
     S_MAX_FRAME_SIZE,
     S_MAX_HEADER_LIST_SIZE,
     SETTING,
     SETTINGS,
+    STREAM_CLOSED,
     U32,
     WINDOW_UPDATE,
     frame,
@@ -66,28 +69,47 @@ class H2Connection(asyncio.Protocol):
 
     def __init__(self, server: H2GrpcServer) -> None:
         self.server = server
+        self.limits = limits = server.limits
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.need = 9  # bytes the next frame needs before parsing is worth it
         self.preface_ok = False
+        self.settings_seen = False  # the client's first SETTINGS (end of its handshake)
         self.streams: dict[int, H2Stream] = {}
         self.last_sid = 0
         # Envoy sends the same header block for every ext_proc stream (indexed fields plus
         # a literal `:path` it never indexes): the decoder caches table-neutral blocks.
-        self.decoder = HeaderDecoder(server.max_header_list)
+        self.decoder = HeaderDecoder(limits.max_header_list)
         self.peer_initial_window = 65_535
         self.peer_max_frame = 16_384
         self.send_window = 65_535  # connection-level, ours towards the peer
+        # Upper bound of every stream's send_credit (raised by WINDOW_UPDATEs, tightened
+        # by a scan): a SETTINGS change needs the scan only when it may overflow a window.
+        self.max_send_credit = 0
         self.conn_credit = 0  # connection window released, not yet sent as WINDOW_UPDATE
         # Connection window the peer has used and we have not returned (RFC 9113 §6.9.1):
         # received DATA minus WINDOW_UPDATEs sent. Our window is CONN_RECV_WINDOW (the
         # WINDOW_UPDATE sent with our SETTINGS); more is a FLOW_CONTROL_ERROR.
         self.recv_unacked = 0
+        # Message bytes held by the streams (see Limits.max_buffered), credit withheld
+        # past it, the one stream allowed past it to complete a large message.
+        self.buffered = 0
+        self.owed = 0
+        self.owing: set[H2Stream] = set()
+        self.big_sid = 0
+        now = self.loop.time()
         # Rapid reset balance (see RESET_BUDGET): +1 per answered stream, -1 per reset of
         # a started, unanswered stream, refilled over time and capped when it is spent.
-        self.reset_balance = float(server.reset_budget)
-        self.reset_at = self.loop.time()
+        self.reset_balance = float(limits.reset_budget)
+        self.reset_at = now
+        self.control_balance = float(limits.control_budget)  # PING + SETTINGS
+        self.control_at = now
+        self.hpack_balance = float(limits.hpack_budget)
+        self.hpack_at = now
+        self.last_active = now
+        self.write_paused_at = 0.0
+        self.timer: asyncio.TimerHandle | None = None
         self.out: list[bytes] = []
         self.flush_scheduled = False
         self.goaway_sent = False
@@ -95,6 +117,7 @@ class H2Connection(asyncio.Protocol):
         self.broken = False
         self.cont_sid = 0  # stream of a header block continued by CONTINUATION frames
         self.cont_flags = 0
+        self.cont_count = 0
         self.cont_block = bytearray()
         self.window_waiters: list[asyncio.Future[None]] = []
         self.write_paused: asyncio.Future[None] | None = None
@@ -104,26 +127,37 @@ class H2Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        server = self.server
+        if len(server.connections) >= self.limits.max_connections:
+            # Over the connection cap: closed before any HTTP/2 (the client retries).
+            server.count("refused")
+            self.closed = True
+            transport.close()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.connections.add(self)
+        server.connections.add(self)
         settings = settings_payload(
             (
-                (S_MAX_CONCURRENT_STREAMS, self.server.max_streams),
+                (S_MAX_CONCURRENT_STREAMS, self.limits.max_streams),
                 (S_INITIAL_WINDOW_SIZE, RECV_WINDOW),
                 (S_MAX_FRAME_SIZE, OUR_MAX_FRAME),
-                (S_MAX_HEADER_LIST_SIZE, self.server.max_header_list),
+                (S_MAX_HEADER_LIST_SIZE, self.limits.max_header_list),
             )
         )
         self.send(frame(SETTINGS, 0, 0, settings))
         self.send(window_update(0, CONN_RECV_WINDOW - 65_535))
-        if self.server.draining:
+        self.timer = self.loop.call_later(self.limits.handshake_timeout, self.on_timer)
+        if server.draining:
             self.goaway()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         for s in list(self.streams.values()):
             s.on_reset()
         self.streams.clear()
@@ -134,18 +168,48 @@ class H2Connection(asyncio.Protocol):
             self.write_paused.set_result(None)
 
     def pause_writing(self) -> None:
+        # The peer does not read what we send: stop reading what it sends, so that our
+        # answers to it (PING and SETTINGS ACKs, resets, responses) cannot pile up.
         if self.write_paused is None:
             self.write_paused = self.loop.create_future()
+            self.write_paused_at = self.loop.time()
+            if self.transport is not None and not self.closed:
+                self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         w = self.write_paused
         self.write_paused = None
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
         if w is not None and not w.done():
             w.set_result(None)
 
+    def on_timer(self) -> None:
+        """Handshake timeout, then idle and write-stall checks every idle_timeout."""
+        self.timer = None
+        if self.closed:
+            return
+        now = self.loop.time()
+        idle = self.limits.idle_timeout
+        if not self.settings_seen:
+            self.server.count("handshake_timeout")
+            self.abort_connection("no HTTP/2 handshake in time", quiet=True)
+            return
+        if self.write_paused is not None and now - self.write_paused_at >= idle:
+            self.server.count("write_stalled")
+            self.abort_connection("the peer reads nothing we send", quiet=True)
+            return
+        if not self.streams and now - self.last_active >= idle:
+            self.server.count("idle")
+            self.goaway(NO_ERROR, "idle")
+            return
+        wait = idle - (now - self.last_active) if not self.streams else idle
+        self.timer = self.loop.call_later(max(wait, 0.01 * idle), self.on_timer)
+
     def data_received(self, data: bytes) -> None:
-        if self.broken:
+        if self.broken or self.closed:
             return  # a connection error was answered with GOAWAY; closing
+        self.last_active = self.loop.time()
         buf = self.buf
         if buf:
             buf += data
@@ -197,38 +261,30 @@ class H2Connection(asyncio.Protocol):
         if ftype == HEADERS:
             return self.on_headers_frame(flags, sid, payload)
         if ftype == CONTINUATION:
-            if sid != self.cont_sid or not sid:
-                return self.abort_connection("unexpected CONTINUATION")
-            if len(self.cont_block) + len(payload) > self.server.max_header_list:
-                return self.abort_connection("header block too large", ENHANCE_YOUR_CALM)
-            self.cont_block += payload
-            if flags & END_HEADERS:
-                block = bytes(self.cont_block)
-                self.cont_sid = 0
-                self.cont_block.clear()
-                return self.on_header_block(sid, self.cont_flags, block)
-            return True
+            return self.on_continuation(flags, sid, payload)
         if ftype == SETTINGS:
             return self.on_settings(flags, sid, payload)
+        if not self.settings_seen:
+            # The client preface is the magic then a SETTINGS frame (RFC 9113 §3.4).
+            return self.abort_connection("the first frame must be SETTINGS")
         if ftype == WINDOW_UPDATE:
-            if len(payload) != 4:
-                return self.abort_connection("bad WINDOW_UPDATE", FRAME_SIZE_ERROR)
-            inc = U32.unpack(payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self.send_window += inc
-                if self.send_window > MAX_WINDOW:
-                    return self.abort_connection("window overflow", FLOW_CONTROL_ERROR)
-            else:
-                s = self.streams.get(sid)
-                if s is not None:
-                    s.send_window += inc
-            self.wake_writers()
-            return True
+            return self.on_window_update(sid, payload)
         if ftype == PING:
+            if sid:
+                return self.abort_connection("PING on a stream")  # RFC 9113 §6.7
+            if len(payload) != 8:
+                return self.abort_connection("PING length", FRAME_SIZE_ERROR)
             if not flags & ACK:
+                if not self.charge_control():
+                    return False
                 self.send(frame(PING, ACK, 0, bytes(payload)))
             return True
         if ftype == RST_STREAM:
+            if len(payload) != 4:
+                return self.abort_connection("bad RST_STREAM", FRAME_SIZE_ERROR)
+            if sid == 0 or sid > self.last_sid:
+                # Stream 0, or a stream in state idle (RFC 9113 §6.4, §5.1).
+                return self.abort_connection("RST_STREAM on an idle stream")
             s = self.streams.get(sid)
             if s is not None:
                 self.drop(s)
@@ -238,10 +294,61 @@ class H2Connection(asyncio.Protocol):
             return True
         if ftype == GOAWAY:
             # The peer opens no new streams here; the open ones run to their end.
+            if sid:
+                return self.abort_connection("GOAWAY on a stream")
             return True
+        if ftype == PRIORITY:
+            if sid == 0:
+                return self.abort_connection("PRIORITY on stream 0")
+            if len(payload) != 5:  # a stream error (RFC 9113 §6.3)
+                return self.stream_error(sid, FRAME_SIZE_ERROR)
+            return True  # deprecated (RFC 9113 §5.3.2): ignored
         if ftype == PUSH_PROMISE:
             return self.abort_connection("PUSH_PROMISE from a client")
-        return True  # PRIORITY and unknown frame types are ignored (RFC 9113 §4.1, §5.5)
+        return True  # unknown frame types are ignored (RFC 9113 §4.1, §5.5)
+
+    def on_continuation(self, flags: int, sid: int, payload: memoryview) -> bool:
+        if sid != self.cont_sid or not sid:
+            return self.abort_connection("unexpected CONTINUATION")
+        if len(self.cont_block) + len(payload) > self.limits.max_header_list:
+            return self.abort_connection("header block too large", ENHANCE_YOUR_CALM)
+        self.cont_count += 1
+        if self.cont_count > self.limits.max_continuations:
+            return self.abort_connection("too many CONTINUATION frames", ENHANCE_YOUR_CALM)
+        self.cont_block += payload
+        if flags & END_HEADERS:
+            block = bytes(self.cont_block)
+            self.cont_sid = 0
+            self.cont_block.clear()
+            return self.on_header_block(sid, self.cont_flags, block)
+        return True
+
+    def on_window_update(self, sid: int, payload: memoryview) -> bool:
+        if len(payload) != 4:
+            return self.abort_connection("bad WINDOW_UPDATE", FRAME_SIZE_ERROR)
+        inc = U32.unpack(payload)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if inc == 0:  # RFC 9113 §6.9
+                return self.abort_connection("WINDOW_UPDATE of 0")
+            self.send_window += inc
+            if self.send_window > MAX_WINDOW:
+                return self.abort_connection("window overflow", FLOW_CONTROL_ERROR)
+        else:
+            if sid > self.last_sid:
+                return self.abort_connection("WINDOW_UPDATE on an idle stream")
+            s = self.streams.get(sid)
+            if s is None:
+                return True  # a closed stream: ignored (RFC 9113 §6.9)
+            if inc == 0:
+                return self.stream_error(sid, PROTOCOL_ERROR)
+            credit = s.send_credit + inc
+            if self.peer_initial_window + credit > MAX_WINDOW:
+                return self.stream_error(sid, FLOW_CONTROL_ERROR)  # RFC 9113 §6.9.1
+            s.send_credit = credit
+            if credit > self.max_send_credit:
+                self.max_send_credit = credit
+        self.wake_writers()
+        return True
 
     def on_data_frame(self, flags: int, sid: int, payload: memoryview) -> bool:
         if sid == 0:
@@ -262,27 +369,96 @@ class H2Connection(asyncio.Protocol):
             return self.abort_connection("connection window exceeded", FLOW_CONTROL_ERROR)
         s = self.streams.get(sid)
         if s is None:
+            if sid > self.last_sid:
+                return self.abort_connection("DATA on an idle stream")  # RFC 9113 §5.1
             # A stream we closed (or reset): the data still used connection window.
             self.conn_credit_add(flow_len)
             return True
-        if s._credit + flow_len > RECV_WINDOW:
-            # More than the stream window we granted (RFC 9113 §6.9): stream error.
-            self.send(rst_stream(sid, FLOW_CONTROL_ERROR))
+        if s._half_closed:
+            # DATA after the peer's END_STREAM (RFC 9113 §5.1, half-closed (remote)).
             self.conn_credit_add(flow_len)
-            self.drop(s)
-            s.on_reset()
-            s.cancel_handler()
-            return True
-        # Connection credit for message bytes is returned as the handler reads them (or
-        # when the stream goes), so the connection window bounds what we buffer; padding
-        # is returned at once. Streams get their credit back when read.
-        if flow_len != len(data):
-            self.conn_credit_add(flow_len - len(data))
-        err = s.on_data(data, flow_len, bool(flags & END_STREAM))
+            return self.stream_error(sid, STREAM_CLOSED)
+        if s._unacked + flow_len > RECV_WINDOW:
+            # More than the stream window we granted (RFC 9113 §6.9): stream error.
+            self.conn_credit_add(flow_len)
+            return self.stream_error(sid, FLOW_CONTROL_ERROR)
+        s._unacked += flow_len
+        n = len(data)
+        if flow_len != n:
+            self.grant(s, flow_len - n)  # padding: returned at once
+        s._held += n
+        self.buffered += n
+        err = s.on_data(data, bool(flags & END_STREAM))
         if err is not None:
-            # UNIMPLEMENTED / RESOURCE_EXHAUSTED / INTERNAL, then stop the handler.
+            # UNIMPLEMENTED / RESOURCE_EXHAUSTED / INTERNAL, then stop the handler: a bad
+            # message ends its stream, not the connection (its bytes are released as the
+            # stream is dropped).
+            self.conn_credit_add(n)
             code = 12 if err.startswith("compressed") else 8 if "larger" in err else 13
             s.finish(code, err)
+            s.cancel_handler()
+            return True
+        if n:
+            # Message bytes: credit is returned now while the connection holds at most
+            # max_buffered, or to the one stream let past it to complete a message;
+            # otherwise it is owed until memory is released (the peer stops at its window).
+            if self.buffered <= self.limits.max_buffered or self.big_sid == sid:
+                self.grant(s, n)
+            elif self.big_sid == 0 and s._buf:
+                self.big_sid = sid
+                self.grant(s, n)
+            else:
+                s._owed += n
+                self.owed += n
+                self.owing.add(s)
+            if self.big_sid == sid and not s._buf:
+                self.big_sid = 0  # its message is complete
+        return True
+
+    def grant(self, s: H2Stream, n: int) -> None:
+        """Return `n` bytes of credit on the connection and on stream `s` (batched)."""
+        self.conn_credit_add(n)
+        c = s._credit + n
+        if c >= RECV_WINDOW // 4 and not s._half_closed and s.sid in self.streams:
+            self.send(window_update(s.sid, c))
+            s._unacked -= c
+            c = 0
+        s._credit = c
+
+    def release(self, s: H2Stream, n: int) -> None:
+        """Stream `s` no longer holds `n` message bytes (read by its handler, or gone)."""
+        s._held -= n
+        self.buffered -= n
+        if self.owed and self.buffered <= self.limits.max_buffered // 2:
+            owing = self.owing
+            self.owing = set()
+            self.owed = 0
+            for o in owing:
+                owed, o._owed = o._owed, 0
+                if o.sid in self.streams:
+                    self.grant(o, owed)
+                else:
+                    self.conn_credit_add(owed)
+
+    def release_stream(self, s: H2Stream) -> None:
+        """Stream `s` left the connection: release its bytes, return its owed credit."""
+        if s._owed:
+            self.owed -= s._owed
+            self.owing.discard(s)
+            self.conn_credit_add(s._owed)
+            s._owed = 0
+        if self.big_sid == s.sid:
+            self.big_sid = 0
+        if s._held:
+            self.release(s, s._held)
+
+    def stream_error(self, sid: int, code: int) -> bool:
+        """RST_STREAM(code) and stop the stream's handler (RFC 9113 §5.4.2)."""
+        self.send(rst_stream(sid, code))
+        s = self.streams.get(sid)
+        if s is not None:
+            self.drop(s)
+            s.on_reset()
             s.cancel_handler()
         return True
 
@@ -298,29 +474,41 @@ class H2Connection(asyncio.Protocol):
             start += 5
         if start > end or sid == 0:
             return self.abort_connection("bad HEADERS frame")
-        if end - start > self.server.max_header_list:
+        if end - start > self.limits.max_header_list:
             return self.abort_connection("header block too large", ENHANCE_YOUR_CALM)
+        if not self.settings_seen:
+            return self.abort_connection("the first frame must be SETTINGS")
         block = bytes(payload[start:end])
         if not flags & END_HEADERS:
             self.cont_sid = sid
             self.cont_flags = flags
+            self.cont_count = 0
             self.cont_block = bytearray(block)
             return True
         return self.on_header_block(sid, flags, block)
 
     def on_header_block(self, sid: int, flags: int, block: bytes) -> bool:
+        decoder = self.decoder
+        misses = decoder.decoded_bytes
         try:
             # The decoder must see every block in order: it keeps the dynamic table.
-            headers = self.decoder.decode(block)
+            headers = decoder.decode(block)
         except OversizedHeaderListError:
             return self.abort_connection("header list too large", ENHANCE_YOUR_CALM)
         except Exception as e:  # hpack raises its own error types
             return self.abort_connection(f"HPACK: {e}", COMPRESSION_ERROR)
+        if decoder.decoded_bytes != misses and not self.charge_hpack(len(block)):
+            return False
         end = bool(flags & END_STREAM)
         s = self.streams.get(sid)
         if s is not None:  # trailers from the client end its side
+            if s._half_closed:
+                return self.stream_error(sid, STREAM_CLOSED)  # RFC 9113 §5.1
             if end:
-                s.on_data(b"", 0, True)
+                err = s.on_data(b"", True)
+                if err is not None:
+                    s.finish(13, err)  # INTERNAL: the request ended inside a message
+                    s.cancel_handler()
             return True
         if sid % 2 == 0:  # client streams are odd (RFC 9113 §5.1.1)
             return self.abort_connection("even stream id")
@@ -329,7 +517,7 @@ class H2Connection(asyncio.Protocol):
             # ignore such frames); a new stream cannot reuse or go below a used id.
             return True
         self.last_sid = sid
-        if self.goaway_sent or len(self.streams) >= self.server.max_streams:
+        if self.goaway_sent or len(self.streams) >= self.limits.max_streams:
             # Over SETTINGS_MAX_CONCURRENT_STREAMS (RFC 9113 §5.1.2) or going away: refused
             # (the client may retry it elsewhere, §8.7); no handler runs.
             self.send(rst_stream(sid, REFUSED_STREAM))
@@ -350,31 +538,74 @@ class H2Connection(asyncio.Protocol):
         # grpcio does: an answer never races the client's first write.
         stream.handler = target[0]
         if end:
-            stream.on_data(b"", 0, True)
+            stream.on_data(b"", True)
         return True
 
     def on_settings(self, flags: int, sid: int, payload: memoryview) -> bool:
-        if sid != 0 or len(payload) % 6:
-            return self.abort_connection("bad SETTINGS", FRAME_SIZE_ERROR)
+        if sid != 0:
+            return self.abort_connection("SETTINGS on a stream")  # RFC 9113 §6.5
+        if len(payload) % 6:
+            return self.abort_connection("bad SETTINGS length", FRAME_SIZE_ERROR)
         if flags & ACK:
             if payload:  # RFC 9113 §6.5
                 return self.abort_connection("SETTINGS ACK with a payload", FRAME_SIZE_ERROR)
+            if not self.settings_seen:
+                return self.abort_connection("the first frame must be SETTINGS")
             return True
-        for i in range(0, len(payload), 6):
-            key, value = SETTING.unpack_from(payload, i)
+        if len(payload) > 6 * self.limits.max_settings_entries:
+            return self.abort_connection("too many SETTINGS entries", ENHANCE_YOUR_CALM)
+        if self.settings_seen and not self.charge_control():
+            return False
+        if not self.settings_seen:
+            self.settings_seen = True  # the handshake is done: the idle timer takes over
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_later(self.limits.idle_timeout, self.on_timer)
+        initial = self.peer_initial_window
+        for key, value in SETTING.iter_unpack(payload):
             if key == S_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     return self.abort_connection("bad window", FLOW_CONTROL_ERROR)
-                delta = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for s in self.streams.values():
-                    s.send_window += delta
+                initial = value
             elif key == S_MAX_FRAME_SIZE:
                 if not 16_384 <= value <= 16_777_215:
                     return self.abort_connection("bad max frame size")
                 self.peer_max_frame = value
+            elif key == S_ENABLE_PUSH and value > 1:
+                return self.abort_connection("bad ENABLE_PUSH")
+        if initial != self.peer_initial_window:
+            # Stream windows are initial + credit: one assignment moves them all (RFC 9113
+            # §6.9.2); only a window that would pass 2^31-1 needs a look at each stream.
+            if initial + self.max_send_credit > MAX_WINDOW:
+                top = max((s.send_credit for s in self.streams.values()), default=0)
+                if initial + top > MAX_WINDOW:
+                    return self.abort_connection("SETTINGS overflow a window", FLOW_CONTROL_ERROR)
+                self.max_send_credit = top
+            self.peer_initial_window = initial
         self.send(frame(SETTINGS, ACK, 0))
         self.wake_writers()
+        return True
+
+    def charge_control(self) -> bool:
+        """One PING or SETTINGS frame against the connection's control balance."""
+        now = self.loop.time()
+        limits = self.limits
+        balance = self.control_balance + (now - self.control_at) * limits.control_refill_per_s
+        self.control_balance = min(balance, float(limits.control_budget)) - 1.0
+        self.control_at = now
+        if self.control_balance < 0:
+            return self.abort_connection("PING/SETTINGS flood", ENHANCE_YOUR_CALM)
+        return True
+
+    def charge_hpack(self, n: int) -> bool:
+        """`n` bytes of header block decoded (cache miss) against the HPACK balance."""
+        now = self.loop.time()
+        limits = self.limits
+        balance = self.hpack_balance + (now - self.hpack_at) * limits.hpack_refill_per_s
+        self.hpack_balance = min(balance, float(limits.hpack_budget)) - n
+        self.hpack_at = now
+        if self.hpack_balance < 0:
+            return self.abort_connection("header decoding over budget", ENHANCE_YOUR_CALM)
         return True
 
     # ------------------------------------------------------------ frames out
@@ -414,7 +645,8 @@ class H2Connection(asyncio.Protocol):
         while pos < n:
             if s._done or self.closed:
                 raise asyncio.CancelledError()
-            room = min(self.send_window, s.send_window, self.peer_max_frame, n - pos)
+            window = self.peer_initial_window + s.send_credit
+            room = min(self.send_window, window, self.peer_max_frame, n - pos)
             if room <= 0:
                 w = self.loop.create_future()
                 self.window_waiters.append(w)
@@ -423,7 +655,7 @@ class H2Connection(asyncio.Protocol):
             chunk = data[pos : pos + room] if (pos or room < n) else data
             self.send(frame(DATA, 0, s.sid, chunk))
             self.send_window -= room
-            s.send_window -= room
+            s.send_credit -= room
             pos += room
             if self.write_paused is not None:
                 await self.write_paused
@@ -444,10 +676,6 @@ class H2Connection(asyncio.Protocol):
             self.recv_unacked -= self.conn_credit
             self.conn_credit = 0
 
-    def stream_credit(self, sid: int, n: int) -> None:
-        if sid in self.streams and not self.closed:
-            self.send(window_update(sid, n))
-
     def drop(self, s: H2Stream) -> None:
         """Remove a stream that ended (or was reset) and return its connection window."""
         self.streams.pop(s.sid, None)
@@ -460,9 +688,9 @@ class H2Connection(asyncio.Protocol):
         CVE-2023-44487). Over the budget: GOAWAY(ENHANCE_YOUR_CALM); streams already open
         run to their end, new ones are refused, then the connection closes."""
         now = self.loop.time()
-        server = self.server
-        balance = self.reset_balance + (now - self.reset_at) * server.reset_refill_per_s
-        self.reset_balance = min(balance, float(server.reset_budget)) - 1.0
+        limits = self.limits
+        balance = self.reset_balance + (now - self.reset_at) * limits.reset_refill_per_s
+        self.reset_balance = min(balance, float(limits.reset_budget)) - 1.0
         self.reset_at = now
         if self.reset_balance < 0 and not self.goaway_sent:
             log.warning("ext_proc HTTP/2: too many streams reset before an answer; GOAWAY")
@@ -484,8 +712,11 @@ class H2Connection(asyncio.Protocol):
 
         self.loop.call_soon(close)
 
-    def abort_connection(self, why: str, code: int = PROTOCOL_ERROR) -> bool:
-        log.warning("ext_proc HTTP/2 connection error: %s", why)
+    def abort_connection(self, why: str, code: int = PROTOCOL_ERROR, quiet: bool = False) -> bool:
+        """Connection error: GOAWAY(code), every stream cancelled, socket closed."""
+        if not quiet:
+            self.server.count("connection_error")
+            log.info("ext_proc HTTP/2 connection error: %s", why)
         self.broken = True
         self.goaway_sent = False
         self.goaway(code, why)

@@ -119,7 +119,7 @@ class HeaderDecoder:
     order (it keeps the dynamic table); a block that does not change the table decodes
     to the same headers for as long as the table is unchanged, so those are cached."""
 
-    __slots__ = ("_cache", "_decoder", "_gen")
+    __slots__ = ("_cache", "_decoder", "_gen", "decoded_bytes")
 
     CACHE_ENTRIES = 64
 
@@ -127,6 +127,7 @@ class HeaderDecoder:
         self._decoder = HpackDecoder(max_header_list_size=max_header_list)
         self._cache: dict[bytes, tuple[int, list[tuple[str, str]]]] = {}
         self._gen = 0  # bumped whenever a block may have changed the dynamic table
+        self.decoded_bytes = 0  # bytes of blocks decoded (cache misses): their CPU cost
 
     def decode(self, block: bytes) -> list[tuple[str, str]]:
         """Decoded (name, value) pairs. Raises OversizedHeaderListError past the list
@@ -134,6 +135,7 @@ class HeaderDecoder:
         cached = self._cache.get(block)
         if cached is not None and cached[0] == self._gen:
             return cached[1]
+        self.decoded_bytes += len(block)
         headers = cast(list[tuple[str, str]], self._decoder.decode(block, raw=False))
         if table_neutral(block):
             if len(self._cache) >= self.CACHE_ENTRIES:

@@ -4,52 +4,62 @@ connections, run each call's handler and end its stream with the handler's statu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client import Counter
+
 from scorer.extproc.transport.connection import H2Connection
-from scorer.extproc.transport.limits import (
-    MAX_HEADER_LIST,
-    MAX_MESSAGE,
-    MAX_STREAMS,
-    RESET_BUDGET,
-    RESET_REFILL_PER_S,
-    TLS_HANDSHAKE_TIMEOUT,
-)
+from scorer.extproc.transport.limits import MAX_MESSAGE, Limits
 from scorer.extproc.transport.stream import AbortStream, H2Stream, Handler
 from scorer.extproc.transport.tls_transport import TlsTransport
 
 log = logging.getLogger("scorer.extproc.transport")
+
+CONNECTIONS_CLOSED = Counter(
+    "kv_scorer_extproc_connections_closed_total",
+    "ext_proc connections (asyncio transport) ended by a bound or an error, by cause: "
+    "refused (connection cap), handshake_timeout, idle, write_stalled, connection_error.",
+    ["cause"],
+)
 
 
 class H2GrpcServer:
     """gRPC bidi-stream server: `add_handler(path, handler, deserialize)`, `start`, `stop`."""
 
     def __init__(
-        self,
-        max_message: int = MAX_MESSAGE,
-        *,
-        max_streams: int = MAX_STREAMS,
-        max_header_list: int = MAX_HEADER_LIST,
-        reset_budget: int = RESET_BUDGET,
-        reset_refill_per_s: float = RESET_REFILL_PER_S,
-        tls_handshake_timeout: float = TLS_HANDSHAKE_TIMEOUT,
+        self, max_message: int = MAX_MESSAGE, *, limits: Limits | None = None, **bounds: Any
     ) -> None:
+        """`bounds`: any field of `Limits` (max_streams=..., idle_timeout=...)."""
         self.max_message = max_message
-        self.max_streams = max_streams
-        self.max_header_list = max_header_list
-        self.reset_budget = reset_budget
-        self.reset_refill_per_s = reset_refill_per_s
+        self.limits = dataclasses.replace(limits or Limits(), **bounds)
         self.handlers: dict[str, tuple[Handler, Callable[[bytes], Any] | None]] = {}
         self.connections: set[H2Connection] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.draining = False
         self._server: asyncio.Server | None = None
-        self.tls_handshake_timeout = tls_handshake_timeout
         self.tls_failures: dict[str, int] = {}  # failed TLS handshakes by reason
         self._on_tls_failure: Callable[[str], None] | None = None
+        # Connections ended by a bound, by cause (refused, handshake_timeout, idle,
+        # write_stalled, connection_error); tests and metrics read it.
+        self.closed_by: dict[str, int] = {}
+
+    def count(self, cause: str) -> None:
+        """Count a connection ended by a bound or an error (see `closed_by`)."""
+        self.closed_by[cause] = self.closed_by.get(cause, 0) + 1
+        CONNECTIONS_CLOSED.labels(cause).inc()
+
+    # Read by the connections (one attribute lookup on their paths).
+    @property
+    def max_streams(self) -> int:
+        return self.limits.max_streams
+
+    @property
+    def max_header_list(self) -> int:
+        return self.limits.max_header_list
 
     def add_handler(
         self, path: str, handler: Handler, deserialize: Callable[[bytes], Any] | None = None
@@ -78,7 +88,10 @@ class H2GrpcServer:
 
             def factory() -> asyncio.Protocol:
                 return TlsTransport(
-                    get_ctx(), H2Connection(self), self._tls_failed, self.tls_handshake_timeout
+                    get_ctx(),
+                    H2Connection(self),
+                    self._tls_failed,
+                    self.limits.tls_handshake_timeout,
                 )
 
         self._on_tls_failure = on_tls_failure

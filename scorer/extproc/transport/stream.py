@@ -28,7 +28,6 @@ from scorer.extproc.transport.frames import (
     rst_stream,
 )
 from scorer.extproc.transport.hpack_codec import RESPONSE_HEADERS, status_trailers
-from scorer.extproc.transport.limits import RECV_WINDOW
 
 if TYPE_CHECKING:
     from scorer.extproc.transport.connection import H2Connection
@@ -88,13 +87,15 @@ class H2Stream:
         "_headers_sent",
         "_held",
         "_msgs",
+        "_owed",
         "_sizes",
+        "_unacked",
         "_waiter",
         "conn",
         "handler",
         "headers",
         "path",
-        "send_window",
+        "send_credit",
         "sid",
         "task",
     )  # fmt: skip
@@ -111,7 +112,10 @@ class H2Stream:
         self.sid = sid
         self.path = path
         self.headers = headers
-        self.send_window = conn.peer_initial_window
+        # Our send window is conn.peer_initial_window + send_credit (WINDOW_UPDATEs minus
+        # data sent): a SETTINGS change of the initial window then costs O(1), not one
+        # update per open stream (RFC 9113 §6.9.2).
+        self.send_credit = 0
         self.task: asyncio.Task[None] | None = None
         self._msgs: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -120,10 +124,15 @@ class H2Stream:
         self._headers_sent = False
         self._done = False  # we sent our trailers or reset the stream
         self._cancelled = False
-        self._credit = 0  # received bytes not yet returned with WINDOW_UPDATE
-        # Connection window held by this stream: message bytes buffered and not read yet.
+        # Receive side (see H2Connection.on_data_frame): stream window used by the peer
+        # and not returned yet; credit granted, to be sent with the next WINDOW_UPDATE;
+        # credit withheld while the connection holds too much.
+        self._unacked = 0
+        self._credit = 0
+        self._owed = 0
+        # Message bytes this stream holds (partial message + messages not read yet).
         # `_sizes` has the wire size of each queued message (None once the stream is
-        # dropped and its bytes were returned to the connection window).
+        # dropped and its bytes were released).
         self._held = 0
         self._sizes: deque[int] | None = deque()
         self._deserialize = deserialize
@@ -144,13 +153,7 @@ class H2Stream:
         m = self._msgs.popleft()
         sizes = self._sizes
         if sizes and m is not EOF:
-            n = sizes.popleft()
-            self._held -= n
-            self.conn.conn_credit_add(n)
-        if self._credit >= RECV_WINDOW // 2:
-            # Return stream credit only for data the handler has taken (back-pressure).
-            self.conn.stream_credit(self.sid, self._credit)
-            self._credit = 0
+            self.conn.release(self, sizes.popleft())
         return m
 
     async def write(self, message: Any) -> None:
@@ -167,13 +170,13 @@ class H2Stream:
         if (
             n <= conn.peer_max_frame
             and n <= conn.send_window
-            and n <= self.send_window
+            and n <= conn.peer_initial_window + self.send_credit
             and conn.write_paused is None
         ):
             # Fast path (every ext_proc answer but large bodies): one DATA frame, no waits.
             conn.send(HDR.pack((n << 8) | DATA, 0, self.sid) + MSG.pack(0, n - 5) + data)
             conn.send_window -= n
-            self.send_window -= n
+            self.send_credit -= n
             return
         await conn.send_data(self, MSG.pack(0, len(data)) + data)
 
@@ -196,11 +199,10 @@ class H2Stream:
         if w is not None and not w.done():
             w.set_result(None)
 
-    def on_data(self, data: memoryview | bytes, flow_len: int, end: bool) -> str | None:
-        """Buffer DATA; queue whole messages. Returns an error text for a bad message."""
-        self._credit += flow_len
+    def on_data(self, data: memoryview | bytes, end: bool) -> str | None:
+        """Buffer DATA (the connection accounted for it); queue whole messages. Returns
+        an error text for a bad message: it ends this stream only."""
         if data:
-            self._held += len(data)
             buf = self._buf
             buf += data
             while len(buf) >= 5:
@@ -213,7 +215,15 @@ class H2Stream:
                     break
                 raw = bytes(buf[5 : 5 + n])
                 del buf[: 5 + n]
-                self._msgs.append(self._deserialize(raw) if self._deserialize else raw)
+                if self._deserialize is None:
+                    self._msgs.append(raw)
+                else:
+                    try:
+                        self._msgs.append(self._deserialize(raw))
+                    except Exception as e:  # protobuf's DecodeError, or what a parser raises
+                        # Its bytes left the buffer: release them with the error.
+                        self.conn.release(self, 5 + n)
+                        return f"could not parse the request message: {e}"
                 if self._sizes is not None:
                     self._sizes.append(5 + n)
         if end:
@@ -266,10 +276,8 @@ class H2Stream:
         conn.drop(self)
 
     def release(self) -> None:
-        """The stream left the connection: return what its unread data holds of the
-        connection window (read() returns nothing more from now on)."""
+        """The stream left the connection: release what its unread data holds (read()
+        returns nothing more from now on)."""
         if self._sizes is not None:
             self._sizes = None
-            if self._held:
-                self.conn.conn_credit_add(self._held)
-                self._held = 0
+            self.conn.release_stream(self)

@@ -50,6 +50,7 @@ class ProbeRoutes:
             ("GET", "/model_info", self._model_info),
             ("GET", "/get_model_info", self._model_info),
             ("GET", "/get_load", self._sglang_load),
+            ("GET", "/debug/kv_cache", self._kv_cache),
         ]
 
     # --- tokenizer endpoints ---------------------------------------------------------
@@ -160,6 +161,15 @@ class ProbeRoutes:
         # vLLM answers 200 even when the reset is refused (it logs a warning).
         ok = self.worker.engine.reset_prefix_cache()
         return web.Response(status=200, headers={"X-Reset-Prefix-Cache": str(ok).lower()})
+
+    async def _kv_cache(self, request: web.Request) -> web.Response:
+        # Ours: what the engine's prefix cache holds (pinned and evictable), the truth an
+        # index built from this worker's KV events is checked against (bench/chaos.py).
+        cache = self.worker.engine.cache
+        body: dict[str, Any] = {"blocks": len(cache), "block_size": cache.block_size}
+        if request.query.get("hashes") in ("1", "true"):
+            body["block_hashes"] = cache.cached_hashes()
+        return web.json_response(body)
 
     async def _vllm_load(self, request: web.Request) -> web.Response:
         e = self.worker.engine

@@ -11,7 +11,8 @@ streaming or JSON, `usage` with `prompt_tokens_details.cached_tokens`,
 POST /reset_prefix_cache, /tokenize, /detokenize, /v1/completions/render,
 /v1/chat/completions/render (vllm-router kv_aware); GET /server_info, /get_server_info,
 /model_info, /get_model_info, /get_load, /health_generate and POST /flush_cache
-(what sglang-router probes).
+(what sglang-router probes). Ours: GET /debug/kv_cache (`?hashes=1` lists them): what
+the prefix cache holds, to check an index built from the events against.
 
 Request parsing and response shapes: openai_api.py; the other endpoints: probes.py;
 settings: config.py.
