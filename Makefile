@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm fuzz lint typecheck proto bench clean
+.PHONY: demo test test-vllm fuzz lint typecheck proto bench clean manifests
 
 $(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
@@ -30,8 +30,8 @@ test-vllm: $(STAMP)
 	bash tools/test-vllm.sh $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scorer tools tests bench tests_vllm
-	$(VENV)/bin/ruff format --check scorer tools tests bench tests_vllm
+	$(VENV)/bin/ruff check scorer tools tests bench tests_vllm deploy
+	$(VENV)/bin/ruff format --check scorer tools tests bench tests_vllm deploy
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -39,6 +39,10 @@ typecheck: $(STAMP)
 # Regenerate the scorer.v1 gRPC stubs (committed; tests/test_proto_stubs.py fails when stale).
 proto: $(STAMP)
 	$(PY) -m scorer.api.protogen
+
+# Re-render deploy/manifests/ from deploy/values.yaml (make test fails when they differ).
+manifests: $(STAMP)
+	$(PY) deploy/render.py --write
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
