@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm fuzz lint typecheck proto bench clean manifests
+.PHONY: demo test test-quick test-vllm fuzz lint typecheck proto bench clean manifests
 
 $(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The edit loop (under a minute): every test that starts no Envoy and is not marked slow
+# (markers: tests/conftest.py). `make test` still runs everything.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not envoy and not slow"
 
 # Property tests only, exploring randomly with 10x the examples (tests/conftest.py profiles;
 # `make test` runs them derandomized). Keep any counterexample as an @example in its test.

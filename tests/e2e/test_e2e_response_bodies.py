@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
-from e2e_helpers import scorer_config
+from configs import make_config
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -66,13 +66,11 @@ async def _worker() -> tuple[web.AppRunner, str]:
     return runner, f"127.0.0.1:{port}"
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["asyncio", "grpcio"])
-async def stack(request: Any) -> AsyncIterator[tuple[App, EnvoyProcess]]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(transport: str) -> AsyncIterator[tuple[App, EnvoyProcess]]:
+    """Envoy + a scorer on each ext_proc transport (the `transport` fixture)."""
     runner, ep = await _worker()
-    cfg = scorer_config([ep], server={
-        "host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
-        "grace_period_s": 0.5, "extproc_transport": request.param,
-    })  # fmt: skip
+    cfg = make_config([ep], server={"extproc_transport": transport})
     app = App(cfg)
     await app.start()
     envoy_cfg = render_envoy_config(

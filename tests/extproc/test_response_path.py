@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
-import pytest_asyncio
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from extproc_helpers import PM, body_msg, harness_fixture, headers_msg
+from extproc_helpers import PM, body_msg, headers_msg
 
 from scorer.director import Completion
 
@@ -21,14 +19,7 @@ EOF_ = grpc.aio.EOF
 USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 8}}
 
 
-@pytest_asyncio.fixture(params=["asyncio", "grpcio"])
-async def harness(request: Any) -> AsyncIterator[Any]:
-    gen = harness_fixture(request.param)()
-    make = await gen.__anext__()
-    try:
-        yield make
-    finally:
-        await gen.aclose()
+# `harness` (tests/extproc/conftest.py) runs every test here on both transports.
 
 
 async def read(call: Any) -> ep.ProcessingResponse:
