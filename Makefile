@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test fuzz lint typecheck proto bench clean
+.PHONY: demo test test-vllm fuzz lint typecheck proto bench clean
 
 $(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
@@ -25,9 +25,13 @@ test: $(STAMP) lint typecheck
 fuzz: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m hypothesis --hypothesis-profile=fuzz --hypothesis-show-statistics tests
 
+# Opt-in: real vLLM (CPU) workers in their own .venv-vllm; see README "Real vLLM tier".
+test-vllm: $(STAMP)
+	bash tools/test-vllm.sh $(ARGS)
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scorer tools tests bench
-	$(VENV)/bin/ruff format --check scorer tools tests bench
+	$(VENV)/bin/ruff check scorer tools tests bench tests_vllm
+	$(VENV)/bin/ruff format --check scorer tools tests bench tests_vllm
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -40,4 +44,4 @@ bench: $(STAMP)
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) demo-out .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm demo-out .mypy_cache .ruff_cache

@@ -39,6 +39,7 @@ from scorer.decisions import DecisionLog  # noqa: E402
 from scorer.director import Director, parse_body  # noqa: E402
 from scorer.index import BlockIndex  # noqa: E402
 from scorer.policy.base import PolicyContext, build_policy  # noqa: E402
+from scorer.policy.parts import Parts  # noqa: E402
 from scorer.pool.workers import Pool  # noqa: E402
 from scorer.routing import RoutingRequest  # noqa: E402
 from scorer.tokens.service import Tokenization  # noqa: E402
@@ -75,7 +76,7 @@ def bench_score64(iterations: int, cpu_tier: bool = False) -> dict[str, Any]:
     pool = Pool.from_config(cfg)
     index = BlockIndex(cfg.index)
     rng = random.Random(1)
-    ctx = PolicyContext(pool=pool, config=cfg, rng=rng, services={"index": index})
+    ctx = PolicyContext(pool=pool, config=cfg, rng=rng, parts=Parts(index=index))
     policy = build_policy("kv", ctx, {})
     keys = [rng.getrandbits(63) for _ in range(512)]
     workers = list(pool)
@@ -175,7 +176,7 @@ async def bench_whole(iterations: int) -> dict[str, Any]:
         pool=pool,
         config=cfg,
         rng=random.Random(2),
-        services={"index": index, "tokens": tokens, "hasher": hasher},
+        parts=Parts(index=index, tokens=tokens, hasher=hasher),
     )
     policy = build_policy("kv", ctx, {})
     director = Director(cfg, pool, policy, DecisionLog(1000), tokens)

@@ -6,12 +6,13 @@ Starts `kv-scorer sim` x N (child processes), `kv-scorer serve` with the `kv` po
 real Envoy (envoy/envoy.yaml rendered with run-time ports), then runs a steady load of
 shared-prefix completions and injects one fault after another:
 
-1. `kill9`      SIGKILL one worker; restart it on the same ports 8 s later;
+1. `kill9`      SIGKILL the busiest worker; restart it on the same ports 8 s later;
 2. `publisher`  one worker's KV-event publisher goes away for 5 s and comes back (its
                 events meanwhile are lost: the scorer must replay them);
-3. `scorer`     SIGTERM the scorer and start it again on the same ports;
-4. `drop10`     10 % of every worker's event frames are dropped for 20 s;
-5. `scrape`     every worker's /metrics hangs for 60 s (longer than the scrape timeout).
+3. `drop10`     10 % of every worker's event frames are dropped for 20 s;
+4. `scrape`     every worker's /metrics hangs for 60 s (longer than the scrape timeout);
+5. `scorer`     SIGTERM the scorer and start it again on the same ports (last: the new
+                scorer does not learn what the workers cached before it started).
 
 Events and metrics pass through this process on their way to the scorer: a ZMQ relay per
 worker (SUB from the sim's PUB, PUB to the scorer; it mirrors the upstream connection,
@@ -435,12 +436,15 @@ class Chaos:
                 load = Load(url, a.concurrency)
                 await load.start(session)
                 await asyncio.sleep(a.warmup_s)
+                # The scorer restart goes last: a restarted scorer does not learn what the
+                # workers cached before it started, which would blur the later faults'
+                # index exactness.
                 faults = [
                     ("kill9", self.fault_kill),
                     ("publisher", self.fault_publisher),
-                    ("scorer", self.fault_scorer),
                     ("drop10", self.fault_drop),
                     ("scrape", self.fault_scrape),
+                    ("scorer", self.fault_scorer),
                 ]
                 for name, fn in faults:
                     if a.only and name not in a.only:
@@ -473,8 +477,12 @@ class Chaos:
         return results
 
     async def fault_kill(self, session: aiohttp.ClientSession, res: FaultResult) -> None:
-        k = 0
-        ep = f"127.0.0.1:{self.sim_ports[k][0]}"
+        # The busiest worker (most requests routed so far): its death is the most visible.
+        doc = await self.get_json(session, f"http://127.0.0.1:{self.admin_port}/debug/pool")
+        routed = {w["endpoint"]: w["inflight"]["routed_total"] for w in doc["workers"]}
+        eps = [f"127.0.0.1:{h}" for h, _, _ in self.sim_ports]
+        k = max(range(self.n), key=lambda i: routed.get(eps[i], 0))
+        ep = eps[k]
         self.sims[k].popen.send_signal(signal.SIGKILL)
         res.ejected_after_s = await self.wait_health(session, ep, False, 10)
         await asyncio.sleep(max(0.0, 8 - (res.ejected_after_s or 0)))

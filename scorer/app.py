@@ -23,7 +23,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1.health_pb2 import HealthCheckRequest
@@ -46,7 +46,12 @@ from scorer.extproc.servicer import add_to_server as add_extproc
 from scorer.extproc.tls import TLS_HANDSHAKE_FAILURES, TlsMaterial
 from scorer.extproc.transport import H2GrpcServer, unary
 from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.policy.parts import Parts
 from scorer.pool.workers import Pool
+
+if TYPE_CHECKING:
+    from scorer.events.ingest import EventIngest
+    from scorer.pool.health import HealthMonitor
 
 log = logging.getLogger("scorer.app")
 
@@ -55,15 +60,19 @@ log = logging.getLogger("scorer.app")
 _MAX_MESSAGE = 80 * 1024 * 1024
 
 
-def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, Any]]:
-    """Construct the optional parts of the service. Returns (components, services).
+def build_components(
+    config: Config, pool: Pool
+) -> tuple[list[Any], Parts, EventIngest, HealthMonitor]:
+    """Construct the optional parts of the service.
+
+    Returns (components, parts, the event ingest, the worker health monitor).
 
     A component is any object with optional `async start()`, `async stop()` and
-    `routes() -> [(method, path, aiohttp handler)]`. `services` are handed to policies
-    through `PolicyContext.services` by name: "hasher" (scorer.blocks.BlockHasher),
-    "index" (scorer.index.BlockIndex), "events" (scorer.events.EventIngest), "tokens"
-    (scorer.tokens.Tokenization, also the Director's RequestPreparer), "scrape", "health"
-    (scorer.pool.health.HealthMonitor).
+    `routes() -> [(method, path, aiohttp handler)]`. `parts` are handed to policies
+    through `PolicyContext.parts` (typed): hasher (scorer.blocks.BlockHasher), index
+    (scorer.index.BlockIndex), events (scorer.events.EventIngest), tokens
+    (scorer.tokens.Tokenization, also the Director's RequestPreparer), scrape. The
+    health monitor (scorer.pool.health) is the app's, not a policy part.
 
     This is the one place where the KV parts are wired in: components start in list
     order and stop in reverse.
@@ -105,21 +114,15 @@ def build_components(config: Config, pool: Pool) -> tuple[list[Any], dict[str, A
 
             # One SUB socket for every engine of the pool (topic names the worker).
             components.insert(3, PoolEventSocket(config, pool, events))
-    services: dict[str, Any] = {
-        "hasher": hasher,
-        "index": index,
-        "events": events,
-        "tokens": tokens,
-        "scrape": scraper,
-        "health": health,
-    }
-    return components, services
+    parts = Parts(index=index, events=events, tokens=tokens, hasher=hasher, scrape=scraper)
+    return components, parts, events, health
 
 
-def make_policy(config: Config, pool: Pool, services: dict[str, Any]) -> Policy:
-    """Build `config.policy` with options `config.policies[name]`; ConfigError names the field."""
+def make_policy(config: Config, pool: Pool, parts: Parts) -> Policy:
+    """Build `config.policy` (options `policies.NAME`, or a profile `profiles.NAME`);
+    ConfigError names the field."""
     name = config.policy
-    ctx = PolicyContext(pool=pool, config=config, services=services)
+    ctx = PolicyContext(pool=pool, config=config, parts=parts)
     try:
         return build_policy(name, ctx, config.policies.get(name))
     except ValidationError as e:
@@ -147,35 +150,31 @@ class App:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.pool = Pool.from_config(config)
-        self.components, self.services = build_components(config, self.pool)
-        self.policy = make_policy(config, self.pool, self.services)
-        preparer: RequestPreparer | None = self.services.get("tokens")
+        self.components, self.parts, self.events, self.health_monitor = build_components(
+            config, self.pool
+        )
+        self.policy = make_policy(config, self.pool, self.parts)
+        preparer: RequestPreparer | None = self.parts.tokens
         self.decisions = DecisionLog(config.decisions.log_size)
         self.director = Director(config, self.pool, self.policy, self.decisions, preparer)
-        self.services["events"].dry_run = self.director.dry_run
+        self.events.dry_run = self.director.dry_run
         self.health = Health()
-        events = self.services.get("events")
+        events = self.events
         # Components with a first sync to finish (Kubernetes discovery) hold readiness.
         syncing = [c for c in self.components if hasattr(c, "synced")]
         self.readiness = ReadinessGate(
             self.pool,
-            lambda: (
-                {ep: sub.status.connected for ep, sub in events.subscribers.items()}
-                if events is not None
-                else {}
-            ),
+            lambda: {ep: sub.status.connected for ep, sub in events.subscribers.items()},
             config.server.readiness_events_timeout_s,
             synced=lambda: all(c.synced.is_set() for c in syncing),
         )
         self._ready_task: asyncio.Task[None] | None = None
         self.extproc = ExtProcServicer(config, self.director)
-        self.scorer = ScorerService(self.director, self.services.get("hasher"))
+        self.scorer = ScorerService(self.director, self.parts.hasher)
         # The inference extension's request families, once per finished request.
         self.director.completion_hooks.append(observe_completion)
         # Requests that failed on a worker are health evidence (scorer.pool.health).
-        health = self.services.get("health")
-        if health is not None:
-            self.director.completion_hooks.append(health.on_completion)
+        self.director.completion_hooks.append(self.health_monitor.on_completion)
         # server.auth_token_file guards Score, /metrics and /debug/* (scorer.api.auth).
         token = None
         if config.server.auth_token_file:
@@ -260,7 +259,9 @@ class App:
         self.health_port = self.health_server.add_insecure_port(f"{s.host}:{s.health_port}")
         await self.health_server.start()
         self.admin_port = await self.admin.start()
-        POOLS.add(self.config.pool.name, self.pool, self.config.load.stale_after_s)
+        # Label `name` of inference_pool_*: the InferencePool followed, else pool.name.
+        pool_name = self.config.pool.discovery.pool_name or self.config.pool.name
+        POOLS.add(pool_name, self.pool, self.config.load.stale_after_s)
         self.readiness.start()
         if not await self._open_gate():
             self._ready_task = asyncio.create_task(self._wait_ready(), name="readiness")

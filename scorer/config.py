@@ -332,6 +332,9 @@ class Config(Strict):
     policy: str = "least_loaded"
     # Options per policy, validated by the policy's own Options model at start-up.
     policies: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # Scheduling profiles users compose (scorer.policy.profile): filters, weighted
+    # scorers and a picker by plugin name; `policy: NAME` selects one.
+    profiles: dict[str, dict[str, Any]] = Field(default_factory=dict)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

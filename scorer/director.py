@@ -32,8 +32,9 @@ from scorer.decisions import DecisionLog
 from scorer.errors import error_body
 from scorer.policy.base import Policy
 from scorer.policy.metrics import observe_decision
+from scorer.policy.profile import Profile
+from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
-from scorer.policy.simple import least_loaded, load_score
 from scorer.pool.workers import Pool
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 
@@ -141,6 +142,8 @@ class Director:
         self._sheddable_header = ex.sheddable_header.lower()
         self._session_header = session_header(config)
         self._block_size = config.pool.block_size
+        # Bodyless requests (GET /v1/models) go to the least loaded, whatever the policy.
+        self._bodyless = Profile(policy.ctx, policy.name, least_loaded({}))
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count(1)
         # Called once per request that was routed and followed, when it ends. The hook point
@@ -268,15 +271,10 @@ class Director:
             return self._no_candidates(request)
         rng = self.policy.ctx.rng
         state = rng.getstate() if dry_run else None
-        w = least_loaded(candidates, self.policy.ctx)
+        d = self._bodyless.decide(request, candidates)
         if state is not None:
             rng.setstate(state)
-        d = Decision(
-            endpoints=[w.endpoint],
-            reason=Reason.NO_BODY,
-            policy=self.policy.name,
-            candidates=[load_score(c) for c in candidates],
-        )
+        d.reason = Reason.NO_BODY
         return self._decided(request, d, t0)
 
     def _refuse(

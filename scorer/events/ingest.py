@@ -6,7 +6,7 @@ Wiring (scorer/app.py `build_components`)::
     index = BlockIndex(config.index)
     events = EventIngest(config, pool, index, hasher)          # optional: tokenize=callable
     components.append(events)            # start()/stop() + routes() (/debug/score, /debug/index)
-    services.update(hasher=hasher, index=index, events=events)
+    parts = Parts(hasher=hasher, index=index, events=events, ...)  # scorer.policy.parts
     # once Tokenization exists: events.tokenize = lambda model, body: <token ids or None>
 
 It starts one `Subscriber` per pool worker that has `events` configured (when

@@ -1,7 +1,10 @@
 """The Policy interface: given eligible workers and a request, pick endpoints and say why.
 
-A new policy is a class registered with `@register` plus a config entry
-(`policy: NAME`, options under `policies.NAME`). The Envoy config never changes.
+`policy: NAME` resolves, in order, to a profile the user composed (`profiles.NAME`,
+scorer.policy.profile), a shipped profile (`kv`, `approx`, `least_loaded`, `round_robin`,
+`random`: scorer.policy.profiles), `session` (layered over any of them), or a Policy class
+registered with `@register` (a whole custom decision). New scoring logic is normally a
+plugin (scorer.policy.plugin), not a Policy. The Envoy config never changes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from scorer.policy.parts import Parts
 from scorer.routing import Decision, RoutingRequest
 
 if TYPE_CHECKING:
@@ -29,25 +33,22 @@ class PolicyOptions(BaseModel):
 
 @dataclass
 class PolicyContext:
-    """What a policy may read: the pool (with load), the config, and shared services.
-
-    `services` holds optional parts by name (e.g. "index" for the block index) so that
-    policies of later stages can find them without this interface changing.
-    """
+    """What a policy may read: the pool (workers and their load view), the config, the
+    shared parts (typed: index, events, tokens, hasher, scrape) and the random source."""
 
     pool: Pool
     config: Config
     rng: random.Random = field(default_factory=random.Random)
-    services: dict[str, Any] = field(default_factory=dict)
+    parts: Parts = field(default_factory=Parts)
 
 
 class Policy(ABC):
     """Pick an endpoint among eligible candidates. Must not block or touch the network."""
 
-    name: ClassVar[str]
+    name: str = ""
     Options: ClassVar[type[PolicyOptions]] = PolicyOptions
     # True when decide() wants request.token_ids / block_keys filled (KV-aware policies).
-    needs_tokens: ClassVar[bool] = False
+    needs_tokens: bool = False
 
     def __init__(self, ctx: PolicyContext, options: PolicyOptions) -> None:
         self.ctx = ctx
@@ -75,12 +76,38 @@ def register(cls: type[Policy]) -> type[Policy]:
     return cls
 
 
-def build_policy(name: str, ctx: PolicyContext, raw_options: dict[str, Any] | None) -> Policy:
-    """Instantiate the named policy with validated options (raises ValueError naming the field)."""
-    import scorer.policy  # noqa: F401  (registers the built-in policies)
+def policy_names() -> list[str]:
+    """Every selectable policy name without a config: the shipped profiles, `session`
+    and registered Policy classes (a config adds its `profiles`)."""
+    from scorer.policy.profiles import SHIPPED
 
+    return sorted({*SHIPPED, "session", *POLICIES})
+
+
+def build_policy(name: str, ctx: PolicyContext, raw_options: dict[str, Any] | None) -> Policy:
+    """Build policy `name` (see the module docstring) with validated options.
+
+    Raises pydantic's ValidationError for `policies.NAME` options, ValueError naming the
+    field for everything else.
+    """
+    from scorer.policy.profile import Profile, spec_from_config
+    from scorer.policy.profiles import SHIPPED
+    from scorer.policy.session import SessionPolicy
+
+    profiles = ctx.config.profiles
+    for pname in profiles:
+        if pname in SHIPPED or pname == "session" or pname in POLICIES:
+            raise ValueError(f"profiles.{pname}: the name of a shipped policy; pick another")
+    if name in profiles:
+        return Profile(ctx, name, spec_from_config(name, profiles[name]))
+    shipped = SHIPPED.get(name)
+    if shipped is not None:
+        return Profile(ctx, name, shipped(raw_options or {}))
+    if name == "session":
+        return SessionPolicy(ctx, SessionPolicy.Options.model_validate(raw_options or {}))
     cls = POLICIES.get(name)
     if cls is None:
-        raise ValueError(f"policy: unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})")
+        known = sorted({*POLICIES, *SHIPPED, "session", *profiles})
+        raise ValueError(f"policy: unknown policy {name!r} (known: {', '.join(known)})")
     options = cls.Options.model_validate(raw_options or {})
     return cls(ctx, options)

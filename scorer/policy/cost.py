@@ -1,4 +1,5 @@
-"""The cost model shared by the cache-aware policies (`kv`, `approx`) and the busy filter.
+"""THE cost function (the `dynamo_cost` scorer of `kv` and `approx`), the load view it
+reads and the busy rule. Nothing else computes these numbers; explanation rows show them.
 
 Per candidate worker, in KV blocks (Dynamo's current router cost; see its "Routing
 Concepts" page, docs.nvidia.com/dynamo/dev/components/router/routing-concepts):
@@ -36,13 +37,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pydantic import Field
 
 from scorer.policy.base import PolicyOptions
-from scorer.pool.scrape import fresh_scrape
+from scorer.policy.parts import MatchLike
 from scorer.pool.workers import Worker
 
 # Busy thresholds: the Gateway API Inference Extension's saturation detector defaults
@@ -65,8 +66,8 @@ class BusyOptions(PolicyOptions):
     shed_when_busy: bool = True
 
 
-class CostOptions(BusyOptions):
-    """The `kv` / `approx` policy options (config `policies.kv` / `policies.approx`)."""
+class CostModelOptions(PolicyOptions):
+    """The cost function's own options (scorer `dynamo_cost`)."""
 
     # Weight of the prefill term against the decode term (Dynamo: prefill_load_scale,
     # formerly overlap_score_weight; Dynamo's default is 1.0). Ours is 10: the decode term
@@ -81,94 +82,169 @@ class CostOptions(BusyOptions):
     medium_credit: dict[str, float] | None = None
     # Credit decay on workers above the least loaded (see the module docstring). 0: off.
     credit_decay: float = Field(0.1, ge=0)
+    # Credit multiplier for a worker whose event stream is stale or has an unrecovered gap.
+    stale_credit: float = Field(0.5, ge=0, le=1)
+
+
+class CostOptions(BusyOptions, CostModelOptions):
+    """The `kv` / `approx` policy options (config `policies.kv` / `policies.approx`):
+    the busy filter's, the cost function's, and the picker's."""
+
     # Softmax sampling temperature over normalised costs; 0 = always the lowest cost.
     temperature: float = Field(0.0, ge=0)
     # Blocks assumed per request waiting in an engine queue (for active_prefill from the
     # scraped waiting count). None: the incoming request's own block count.
     waiting_request_blocks: float | None = Field(None, ge=0)
-    # Credit multiplier for a worker whose event stream is stale or has an unrecovered gap.
-    stale_credit: float = Field(0.5, ge=0, le=1)
     # Insert the winner's uncached blocks into the index speculatively so a burst of the
     # same prefix hits before the engine's events arrive.
     speculative: bool = True
-    # Extra endpoints (least loaded first) after the winner, for Envoy to retry on.
+    # Extra endpoints (lowest cost first) after the winner, for Envoy to retry on.
     fallbacks: int = Field(0, ge=0, le=8)
 
 
 @dataclass(slots=True)
-class LoadTerms:
-    """A worker's load in blocks, as the cost function sees it."""
+class LoadTable:
+    """Every candidate's load in blocks, as the cost function sees it (one row each).
 
-    prefill: float
-    decode: float
-    waiting: float  # scraped (0 when stale)
-    kv_usage: float  # scraped (0 when stale)
-    fresh: bool
+    `waiting` / `kv_usage` are the scraped values when the scrape is fresh, else 0.
+    `busy` is why each candidate is over a busy threshold (None: not busy), when the
+    table was built with thresholds (the busy filter's), else None.
+    """
 
-    @property
-    def total(self) -> float:
-        return self.prefill + self.decode
-
-
-def load_terms(
-    w: Worker, now: float, stale_after_s: float, waiting_request_blocks: float
-) -> LoadTerms:
-    """Combine the router's in-flight accounting with a fresh scrape (see module doc)."""
-    fl = w.inflight
-    sc = w.scraped
-    prefill = fl.prefill_blocks
-    decode = fl.decode_blocks
-    if fresh_scrape(sc, now, stale_after_s):
-        if sc.waiting * waiting_request_blocks > prefill:
-            prefill = sc.waiting * waiting_request_blocks
-        if sc.num_gpu_blocks and sc.kv_usage * sc.num_gpu_blocks > decode:
-            decode = sc.kv_usage * sc.num_gpu_blocks
-        return LoadTerms(prefill, decode, sc.waiting, sc.kv_usage, True)
-    return LoadTerms(prefill, decode, 0.0, 0.0, False)
+    prefill: list[float]
+    decode: list[float]
+    waiting: list[float]
+    kv_usage: list[float]
+    busy: list[str | None] | None = None
 
 
-def busy_reason(w: Worker, terms: LoadTerms, opts: BusyOptions) -> str | None:
-    """Why `w` is busy ("busy_waiting", "busy_kv_usage", "busy_inflight"), or None."""
-    if terms.fresh:
-        if opts.busy_waiting is not None and terms.waiting >= opts.busy_waiting:
-            return "busy_waiting"
-        if opts.busy_kv_usage is not None and terms.kv_usage >= opts.busy_kv_usage:
-            return "busy_kv_usage"
-    if opts.busy_inflight is not None and w.inflight.requests >= opts.busy_inflight:
-        return "busy_inflight"
-    return None
+def load_table(
+    candidates: Sequence[Worker],
+    now: float,
+    stale_after_s: float,
+    waiting_request_blocks: float,
+    busy: BusyOptions | None = None,
+) -> LoadTable:
+    """Combine the router's in-flight accounting with a fresh scrape (module doc) and, with
+    `busy`, apply the busy rule in the same pass: fresh scraped waiting >= busy_waiting,
+    else fresh scraped KV usage >= busy_kv_usage, else router in-flight >= busy_inflight.
+
+    The hot loop of every decision: flat lists and bound methods on purpose.
+    """
+    pfs: list[float] = []
+    dcs: list[float] = []
+    wqs: list[float] = []
+    kus: list[float] = []
+    busys: list[str | None] = []
+    add_pf, add_dc, add_wq, add_ku = pfs.append, dcs.append, wqs.append, kus.append
+    add_busy = busys.append
+    fresh_since = now - stale_after_s
+    wrb = waiting_request_blocks
+    check = busy is not None
+    busy_w = busy.busy_waiting if busy is not None else None
+    busy_k = busy.busy_kv_usage if busy is not None else None
+    busy_i = busy.busy_inflight if busy is not None else None
+    for w in candidates:
+        fl = w.inflight
+        sc = w.scraped
+        pf = fl.prefill_blocks
+        dc = fl.decode_blocks
+        b: str | None = None
+        at = sc.at
+        if at > 0.0 and at >= fresh_since:
+            wq = sc.waiting
+            ku = sc.kv_usage
+            x = wq * wrb
+            if x > pf:
+                pf = x
+            if sc.num_gpu_blocks:
+                x = ku * sc.num_gpu_blocks
+                if x > dc:
+                    dc = x
+            if busy_w is not None and wq >= busy_w:
+                b = "busy_waiting"
+            elif busy_k is not None and ku >= busy_k:
+                b = "busy_kv_usage"
+        else:
+            wq = ku = 0.0
+        if b is None and busy_i is not None and fl.requests >= busy_i:
+            b = "busy_inflight"
+        add_pf(pf)
+        add_dc(dc)
+        add_wq(wq)
+        add_ku(ku)
+        add_busy(b)
+    return LoadTable(pfs, dcs, wqs, kus, busys if check else None)
 
 
-def decayed_credit(load: float, load_min: float, request_blocks: float, decay: float) -> float:
-    """credit = 1 / (1 + decay * excess), excess = (load - load_min) / max(load_min, R, 1)."""
-    if decay <= 0.0 or load <= load_min:
-        return 1.0
-    excess = (load - load_min) / max(load_min, request_blocks, 1.0)
-    return 1.0 / (1.0 + decay * excess)
+# The cache side of one candidate's cost: (match, overlap weighted by medium, credit
+# multiplier, stale stream?). A tuple: built once per matched candidate per decision.
+CostRow = tuple[MatchLike, float, float, bool]
 
 
-def cost(
-    prefill_load_scale: float,
-    active_prefill: float,
-    active_decode: float,
+def dynamo_costs(
+    candidates: Sequence[Worker],
+    eligible: Sequence[int],
+    table: LoadTable,
+    matches: Mapping[str, MatchLike],
     request_blocks: float,
-    overlap_credit: float,
-) -> float:
-    """Dynamo's cost in blocks (see the module docstring)."""
-    p = active_prefill + request_blocks - overlap_credit
-    return prefill_load_scale * (p if p > 0.0 else 0.0) + active_decode + request_blocks
+    opts: CostModelOptions,
+    stale: Callable[[Worker], bool] | None = None,
+) -> tuple[list[float], dict[int, CostRow], bool]:
+    """THE cost function (module doc), for each eligible candidate in order.
+
+    Returns the costs (parallel to `eligible`), per candidate with a cached prefix the
+    numbers its explanation row shows, and whether any credit was cut for staleness.
+    `stale(w)` says whether w's cache signal is to be trusted less (a silent or gapped
+    event stream).
+    """
+    pfs, dcs = table.prefill, table.decode
+    load_min = min([pfs[i] + dcs[i] for i in eligible])
+    mcredit = opts.medium_credit
+    pls = opts.prefill_load_scale
+    decay = opts.credit_decay
+    stale_credit = opts.stale_credit
+    excess_unit = max(load_min, request_blocks, 1.0)
+    costs: list[float] = []
+    rows: dict[int, CostRow] = {}
+    stale_any = False
+    add = costs.append
+    for i in eligible:
+        dc = dcs[i]
+        p = pfs[i] + request_blocks
+        m = matches.get(candidates[i].endpoint) if matches else None
+        if m is not None:
+            total = pfs[i] + dc
+            # credit = 1 / (1 + decay * excess), excess in "least-loaded loads".
+            if decay > 0.0 and total > load_min:
+                credit = 1.0 / (1.0 + decay * (total - load_min) / excess_unit)
+            else:
+                credit = 1.0
+            is_stale = stale is not None and stale(candidates[i])
+            if is_stale:
+                credit *= stale_credit
+                stale_any = True
+            if mcredit is None:
+                weighted = float(m.weighted)
+            else:
+                gpu = mcredit.get("GPU", 1.0)
+                weighted = sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
+            rows[i] = (m, weighted, credit, is_stale)
+            p -= credit * weighted
+        add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
+    return costs, rows, stale_any
 
 
 def pick(
     costs: Sequence[float],
-    tiebreak: Callable[[int], tuple[float, int]],
+    tiebreak: Callable[[int], tuple[float, ...]],
     temperature: float,
     rng: random.Random,
 ) -> int:
     """Index of the winner: lowest cost, then least load, then random; or softmax sampling.
 
-    `tiebreak(i)` is candidate i's (load in blocks, in-flight requests); it is only asked
-    for when costs tie.
+    `tiebreak(i)` is candidate i's tie-break key (e.g. load in blocks, in-flight
+    requests); it is only asked for when costs tie.
     """
     n = len(costs)
     if n == 1:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal
 import xxhash
 from pydantic import Field, field_validator
 
-from scorer.policy.base import Policy, PolicyContext, build_policy, register
-from scorer.policy.cost import BusyOptions, busy_reason, load_terms
+from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.policy.cost import BusyOptions, load_table
 from scorer.pool.workers import Worker
 from scorer.routing import Decision, Reason, RoutingRequest
 
@@ -81,7 +81,6 @@ def rendezvous(session_id: str, workers: Sequence[Worker]) -> Worker:
     return max(workers, key=lambda w: hrw_weight(session_id, w.endpoint))
 
 
-@register
 class SessionPolicy(Policy):
     """Session affinity (bindings + rendezvous placement) over another policy."""
 
@@ -92,8 +91,8 @@ class SessionPolicy(Policy):
     def __init__(self, ctx: PolicyContext, options: SessionOptions) -> None:  # type: ignore[override]
         super().__init__(ctx, options)
         self.inner = build_policy(options.over, ctx, ctx.config.policies.get(options.over))
-        # Tokenize only when the policy underneath uses tokens (the router reads this).
-        setattr(self, "needs_tokens", self.inner.needs_tokens)  # noqa: B010
+        # Tokenize only when the policy underneath uses tokens (the director reads this).
+        self.needs_tokens = self.inner.needs_tokens
         self.clock: Callable[[], float] = time.monotonic
         self.bindings: OrderedDict[str, Binding] = OrderedDict()
 
@@ -112,8 +111,9 @@ class SessionPolicy(Policy):
         self.bindings.move_to_end(sid)
 
     def _busy(self, w: Worker, now: float) -> str | None:
-        terms = load_terms(w, now, self.ctx.config.load.stale_after_s, 1.0)
-        return busy_reason(w, terms, self.options)
+        table = load_table([w], now, self.ctx.config.load.stale_after_s, 1.0, self.options)
+        assert table.busy is not None
+        return table.busy[0]
 
     def _over(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         d = self.inner.decide(request, candidates)

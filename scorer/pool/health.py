@@ -35,7 +35,7 @@ import aiohttp
 from prometheus_client import Counter, Gauge
 
 from scorer.config import Config, HealthConfig
-from scorer.pool.workers import Pool, Worker
+from scorer.pool.workers import Pool, PoolChange, Worker
 
 if TYPE_CHECKING:
     from scorer.director import Completion
@@ -109,6 +109,19 @@ class HealthMonitor:
         self._changed = asyncio.Event()
         if self.config.enabled:
             pool.evidence_sink = self.report
+        pool.subscribe(self._pool_changed)
+        self._set_healthy_gauge()
+
+    def _pool_changed(self, change: PoolChange) -> None:
+        """Removal (scorer.pool.discovery) ends the worker's probes and its series;
+        ejection is a health state of a worker still in the pool."""
+        ep = change.worker.endpoint
+        if change.change == "removed":
+            task = self._tasks.pop(ep, None)
+            if task is not None:
+                task.cancel()
+            with contextlib.suppress(KeyError):
+                EJECTED.remove(ep)
         self._set_healthy_gauge()
 
     # -- lifecycle -------------------------------------------------------------------

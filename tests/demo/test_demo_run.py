@@ -79,6 +79,15 @@ def test_small_demo_end_to_end(tmp_path: Path) -> None:
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "hit rate" in stdout and "round_robin" in stdout and "TTFT p99" in stdout
     assert "kv" in stdout and "[##########" in stdout  # progress line reached the end
+    # The demo's Envoy is shaped like Envoy AI Gateway's: TLS to every scorer it ran.
+    serving = [
+        line
+        for f in sorted((out / "logs").glob("*"))
+        if f.is_file()
+        for line in f.read_text(errors="replace").splitlines()
+        if "kv-scorer serving" in line
+    ]
+    assert len(serving) >= 4 and all("ext_proc_tls=self-signed" in ln for ln in serving), serving
     pids = _pids(out)
     assert len(pids) >= 4 + 5  # 4 sims + a scorer per run
     assert not [p for p in pids if _alive(p)]

@@ -34,11 +34,12 @@ SELECTION = "test-epp-endpoint-selection"
 SERVED = "x-conformance-test-served-endpoint"
 
 
-def tls_server(gateway: str) -> dict[str, Any]:
+def tls_server(gateway: str, transport: str = "asyncio") -> dict[str, Any]:
     """`server` config for a picker behind `gateway`: TLS where the gateway's default
     picker connection is TLS (self-signed, as the reference picker's default)."""
     server = scorer_config([]).server.model_dump()
     server["tls"] = {"enabled": gateway != "istio"}
+    server["extproc_transport"] = transport
     return server
 
 
@@ -198,14 +199,14 @@ async def hosts(ips: list[str], ranks: int) -> AsyncIterator[list[Backend]]:
 
 @asynccontextmanager
 async def conformance_setup(
-    gateway: str, pods: list[Backend]
+    gateway: str, pods: list[Backend], transport: str = "asyncio"
 ) -> AsyncIterator[tuple[App, EnvoyProcess]]:
     eps = [b.endpoint for b in pods]
     app = App(
         scorer_config(
             eps,
             extproc={"test_endpoint_selection": True, "echo_served_endpoint": True},
-            server=tls_server(gateway),
+            server=tls_server(gateway, transport),
         )
     )
     await app.start()
@@ -227,12 +228,16 @@ async def conformance_setup(
 IPS = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
 
 
+@pytest.mark.parametrize("transport", ["asyncio", "grpcio"])
 @pytest.mark.parametrize("gateway", GATEWAYS)
-async def test_following_epp_routing(gateway: str) -> None:
+async def test_following_epp_routing(gateway: str, transport: str) -> None:
     """GatewayFollowingEPPRouting: with the conformance picker's selection header naming
     1, 2 or 3 pods, every request is served by one of them (and round robin reaches each);
     the served endpoint is echoed (GatewayDestinationEndpointServed) where Envoy reports it."""
-    async with hosts(IPS, 1) as pods, conformance_setup(gateway, pods) as (app, envoy):
+    async with (
+        hosts(IPS, 1) as pods,
+        conformance_setup(gateway, pods, transport) as (app, envoy),
+    ):
         url = f"http://127.0.0.1:{envoy.listener_port}/primary-gateway-test"
         async with aiohttp.ClientSession() as s:
             for n in (1, 2, 3):

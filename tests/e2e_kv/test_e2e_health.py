@@ -72,7 +72,7 @@ class Stack:
 
     @property
     def health(self) -> HealthMonitor:
-        h = self.app.services["health"]
+        h = self.app.health_monitor
         assert isinstance(h, HealthMonitor)
         return h
 
@@ -156,15 +156,15 @@ async def test_worker_that_never_answered_is_ejected_by_failed_requests(stack: S
     says the ghost holds a prefix (as it would for a worker that died warm), so `kv` sends
     that prefix there until the failure is seen."""
     cached = _prompt(100)
-    keys = stack.app.services["hasher"].keys(cached)
-    stack.app.services["index"].insert_speculative(stack.ghost, keys, ttl_s=3600)
+    keys = stack.app.parts.hasher.keys(cached)
+    stack.app.parts.index.insert_speculative(stack.ghost, keys, ttl_s=3600)
     first = await _complete(stack, cached)
     assert first == 503  # the revealing request: Envoy could not connect
     health = stack.health
     ghost = stack.app.pool.get(stack.ghost)
     assert ghost is not None
     assert await health.wait_until(lambda: not ghost.healthy, 10)
-    assert stack.ghost not in stack.app.services["index"].match(keys)
+    assert stack.ghost not in stack.app.parts.index.match(keys)
     assert [await _complete(stack, cached) for _ in range(4)] == [200] * 4
     view = await _pool_view(stack)
     assert view[stack.ghost]["health"]["reason"] == "request_failed"
@@ -178,8 +178,8 @@ async def test_killed_worker_is_ejected_and_the_other_serves_then_readmitted(
 ) -> None:
     warm = _prompt(7)
     assert await _complete(stack, warm) == 200
-    index = stack.app.services["index"]
-    keys = stack.app.services["hasher"].keys(warm)
+    index = stack.app.parts.index
+    keys = stack.app.parts.hasher.keys(warm)
     # Wait (bounded) until the serving worker's BlockStored events reached the index.
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 10

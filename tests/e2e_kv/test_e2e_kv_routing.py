@@ -162,7 +162,7 @@ async def stack() -> AsyncIterator[Stack]:
         }
         app = App(load_config(overrides=config, environ={}))
         await app.start()
-        events = app.services["events"]
+        events = app.events
         for _ in range(200):  # subscribers connected (ZMQ slow joiner)
             if all(events.status(w.endpoint).connected for w in workers):
                 break
@@ -211,7 +211,7 @@ async def newest_decision(stack: Stack, **query: str) -> dict[str, Any]:
 
 async def wait_indexed(stack: Stack, prompt: str, endpoint: str) -> None:
     keys = stack.tokens.tokenize_body(MODEL, {"model": MODEL, "prompt": prompt}).block_keys
-    index = stack.app.services["index"]
+    index = stack.app.parts.index
     for _ in range(250):
         m = index.match(keys, [endpoint]).get(endpoint)
         if m is not None and m.blocks == len(keys):

@@ -99,20 +99,20 @@ async def test_score_rpc_is_a_dry_run(harness) -> None:
         r = await stub.Score(scorer_pb2.ScoreRequest(model="m", prompt="x"))
         seen.add(r.endpoints[0])
     # No session bound, the round-robin position never moved, nothing in flight.
-    assert h.app.policy.bindings == {} and h.app.policy.inner._next == 0
+    assert h.app.policy.bindings == {} and h.app.policy.inner.picker._next == 0
     assert len(h.app.pool.inflight) == 0 and len(h.app.director) == 0
     # The rendezvous worker of s1, and round robin's first worker, every time.
     assert seen == {rendezvous("s1", list(h.app.pool)).endpoint, WORKERS[0]}
     # The data path, by contrast, moves round robin on and binds the session.
     call = await routed(h, "real")
     await call.done_writing()
-    assert h.app.policy.inner._next == 1
+    assert h.app.policy.inner.picker._next == 1
 
 
 async def test_kv_dry_run_inserts_nothing_speculatively(harness) -> None:
     h = await harness(policy="kv")
     stub = scorer_pb2_grpc.ScorerStub(h.channel)
-    index = h.app.services["index"]
+    index = h.app.parts.index
     ids = list(range(1, 200))
     r = await stub.Score(scorer_pb2.ScoreRequest(model="m", token_ids=scorer_pb2.TokenIds(ids=ids)))
     assert r.status == 200 and r.endpoints

@@ -132,7 +132,7 @@ async def test_readiness_opens_after_the_events_timeout(harness: Any) -> None:
     worker = {"endpoint": "127.0.0.1:7001", "events": f"tcp://127.0.0.1:{free_port()}"}
     h = await harness(pool={"workers": [worker]}, server={"readiness_events_timeout_s": 0.3})
     await asyncio.wait_for(wait_serving(h.app.health_port), 10)
-    assert not h.app.services["events"].status("127.0.0.1:7001").connected
+    assert not h.app.events.status("127.0.0.1:7001").connected
 
 
 async def test_empty_pool_is_not_ready(harness: Any) -> None:

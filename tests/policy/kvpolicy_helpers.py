@@ -10,6 +10,7 @@ from typing import Any
 from scorer.config import Config
 from scorer.index import BlockIndex
 from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.policy.parts import Parts
 from scorer.pool.workers import Pool
 from scorer.routing import RoutingRequest
 
@@ -57,7 +58,7 @@ def make(
     )
     pool = Pool.from_config(cfg)
     index = BlockIndex(cfg.index)
-    ctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(seed), services={"index": index})
+    ctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(seed), parts=Parts(index=index))
     return Setup(cfg, pool, index, ctx, build_policy(policy, ctx, options))
 
 

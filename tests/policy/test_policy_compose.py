@@ -150,7 +150,7 @@ def test_stale_stream_gets_reduced_credit_until_it_recovers() -> None:
     ev = Events()
     for i in range(2):
         ev.st[endpoint(i)] = Status(last_event_at=clock.t)
-    s.ctx.services["events"] = ev
+    s.ctx.parts.events = ev
     k = keys(10)
     hold(s.index, endpoint(0), k)
     s.pool.workers[endpoint(0)].inflight.decode_blocks = 6  # warm worker a bit loaded
@@ -177,10 +177,10 @@ def test_silent_stream_of_an_idle_worker_is_not_stale() -> None:
     pol.clock = clock
     ev = Events()
     ev.st[endpoint(0)] = Status(last_event_at=clock.t - 500)  # silent, but nobody sent work
-    s.ctx.services["events"] = ev
+    s.ctx.parts.events = ev
     hold(s.index, endpoint(0), keys(4))
     w = s.pool.workers[endpoint(0)]
-    assert not pol.stream_stale(w, clock.t)
+    assert not pol.plugin("dynamo_cost").stream_stale(w, clock.t)
 
 
 def test_unrecovered_gap_cuts_credit() -> None:
@@ -188,7 +188,7 @@ def test_unrecovered_gap_cuts_credit() -> None:
     ev = Events()
     ev.st[endpoint(0)] = Status(last_event_at=s.policy.clock(), unrecovered_gap=True)
     ev.st[endpoint(1)] = Status(last_event_at=s.policy.clock())
-    s.ctx.services["events"] = ev
+    s.ctx.parts.events = ev
     k = keys(10)
     hold(s.index, endpoint(0), k)
     hold(s.index, endpoint(1), k[:8])

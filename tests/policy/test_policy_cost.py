@@ -6,9 +6,10 @@ import random
 from collections import Counter
 
 import pytest
+from cost_spec import cost, decayed_credit
 from kvpolicy_helpers import endpoint, hold, keys, make, request
 
-from scorer.policy.cost import cost, decayed_credit, pick, softmax_probabilities
+from scorer.policy.cost import pick, softmax_probabilities
 from scorer.routing import Reason
 
 

@@ -1,7 +1,7 @@
-"""`kv.decide` inlines the cost model for speed (scoring 64 candidates is budgeted at
-50 µs). The functions in scorer.policy.cost — load_terms, busy_reason, decayed_credit,
-cost — are its specification: on random fleets every candidate row of a real decision
-must equal what they compute, so the inline copy can never drift from them."""
+"""scorer.policy.cost implements the cost model once, fused for speed (scoring 64
+candidates is budgeted at 50 µs). tests/policy/cost_spec.py writes it out plainly, one
+worker at a time: on random fleets every candidate row of a real `kv` decision must equal
+what the spec computes."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import math
 from typing import Any
 
 import pytest
+from cost_spec import busy_reason, cost, decayed_credit, load_terms
 from hypo import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvpolicy_helpers import endpoint, hold, keys, make, request
-
-from scorer.policy.cost import busy_reason, cost, decayed_credit, load_terms
 
 NOW = 1000.0
 

@@ -9,6 +9,7 @@ scraper (refused metrics connection), the KV-event subscriber (ZMQ disconnect) a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -237,5 +238,29 @@ async def test_disabled_health_never_ejects() -> None:
         assert not monitor._tasks
         w = pool.get(dead)
         assert w is not None and w.healthy
+    finally:
+        await monitor.stop()
+
+
+async def test_removed_worker_stops_being_probed() -> None:
+    """Ejection is a health state of a worker in the pool; removal (discovery) ends it."""
+    dead = f"127.0.0.1:{_free_port()}"
+    config = _config([dead])
+    pool = Pool.from_config(config)
+    monitor = HealthMonitor(config, pool)
+    await monitor.start()
+    try:
+        pool.report(dead, "request_failed", "HTTP 503")
+        w = pool.get(dead)
+        assert w is not None
+        assert await monitor.wait_until(lambda: not w.healthy, 10)
+        probing = monitor._tasks[dead]
+        pool.remove(dead, "deleted")
+        assert dead not in monitor._tasks
+        with contextlib.suppress(asyncio.CancelledError):
+            await probing
+        assert probing.cancelled()
+        pool.report(dead, "request_failed", "HTTP 503")  # unknown now: ignored
+        assert not monitor._tasks
     finally:
         await monitor.stop()

@@ -40,6 +40,11 @@ from kvscorer_tools.bench.workloads import Workload, load_workload, oracle_block
 POLICIES = ("kv", "approx", "round_robin")
 
 
+# The gateways send response bodies FULL_DUPLEX_STREAMED; the demo does the same once the
+# scorer answers streamed response bodies (issue 10 item 1). Until then: not sent.
+DEMO_RESPONSE_BODY_MODE = "NONE"
+
+
 def demo_workloads(small: bool, seed: int) -> tuple[Workload, Workload]:
     """(shared-prefix, chat) sized for the demo (`small`: a few seconds, for tests).
 
@@ -119,6 +124,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-chat", action="store_true", help="skip the session/chat part")
     p.add_argument(
+        "--gateway",
+        default="envoy-ai-gateway",
+        choices=["local", "istio", "envoy-ai-gateway", "kgateway"],
+        help="configure Envoy as this gateway configures its endpoint picker (TLS to the "
+        "scorer for envoy-ai-gateway and kgateway); local = envoy/envoy.yaml's shape "
+        "(default envoy-ai-gateway)",
+    )
+    p.add_argument(
         "--policy-config",
         default=None,
         help="YAML/JSON file of policy options by name, e.g. bench/routing/kv-tuned.yaml",
@@ -171,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         run_dir=out,
         progress=True,
         policy_options=policy_options,
+        gateway=None if args.gateway == "local" else args.gateway,
+        response_body_mode=DEMO_RESPONSE_BODY_MODE,
     )
     sp = sp.slice(None, speed)
     chat = chat.slice(None, speed)

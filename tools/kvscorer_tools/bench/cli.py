@@ -244,11 +244,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--block-size must be >= 1")
         if args.capacity_blocks < 0:
             raise ValueError("--capacity-blocks must be >= 0 (0 = unbounded)")
-        from scorer.policy import POLICIES
+        from scorer.policy import policy_names
 
-        unknown = [p for p in policies if p not in POLICIES and p not in PEERS]
+        known_policies = policy_names()
+
+        unknown = [p for p in policies if p not in known_policies and p not in PEERS]
         if unknown:
-            known = ", ".join([*sorted(POLICIES), *PEERS])
+            known = ", ".join([*known_policies, *PEERS])
             raise ValueError(f"unknown policies {', '.join(unknown)} (known: {known})")
         params = parse_params(args.param)
         if args.trace is not None:

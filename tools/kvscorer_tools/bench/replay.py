@@ -20,7 +20,7 @@ simulated worker's engine (`kvscorer_tools.sim.engine.Engine`), over the same
 * a request whose blocks exceed the worker's KV pool is rejected (an error).
 
 The routing side is the real one: `scorer.policy.build_policy` with a real `Pool`,
-`PolicyContext` and `BlockIndex` (``ctx.services["index"]``), decided and accounted by the
+`PolicyContext` and `BlockIndex` (``ctx.parts.index``), decided and accounted by the
 data path's own `scorer.director.Director` driven by the simulated lifecycle (request
 received at arrival, response started at the end of prefill, ended at the last token) and
 the scraped load refreshed every `scrape_interval_s` of simulated time. The index is fed
@@ -55,6 +55,7 @@ from scorer.config import Config
 from scorer.director import Director
 from scorer.index import BlockIndex
 from scorer.policy.base import Policy, PolicyContext, build_policy
+from scorer.policy.parts import Parts
 from scorer.pool.workers import Pool
 from scorer.routing import RoutingRequest
 
@@ -302,7 +303,7 @@ class _Replay:
             pool=self.pool,
             config=self.config,
             rng=random.Random(settings.seed),
-            services={"index": self.index, "hasher": keys.hasher},
+            parts=Parts(index=self.index, hasher=keys.hasher),
         )
         self.policy: Policy = build_policy(
             policy_name, self.ctx, settings.policy_options.get(policy_name)

@@ -36,6 +36,28 @@ def write_stub_tokenizer(path: Path) -> Path:
     return path
 
 
+def gateway_uses_tls(gateway: str | None) -> bool:
+    """Envoy AI Gateway and kgateway always connect to the picker over TLS; Istio only with
+    its guide's DestinationRule, which the rendered Istio shape does not assume."""
+    return gateway in ("envoy-ai-gateway", "kgateway")
+
+
+def envoy_config(settings: E2ESettings, fleet: SimFleet, extproc_port: int) -> str:
+    """Envoy's bootstrap for one scorer: the local shape or a gateway's."""
+    from scorer.envoyproc import render_envoy_config, render_gateway_config
+
+    if settings.gateway is None:
+        return render_envoy_config(0, extproc_port, 0)
+    return render_gateway_config(
+        settings.gateway,  # type: ignore[arg-type]
+        [s.endpoint for s in fleet.specs],
+        listener_port=0,
+        admin_port=0,
+        extproc_port=extproc_port,
+        response_body_mode=settings.response_body_mode,
+    )
+
+
 def scorer_config(
     fleet: SimFleet, policy: str, settings: E2ESettings, tokenizer: Path
 ) -> dict[str, Any]:
@@ -47,6 +69,9 @@ def scorer_config(
             "health_port": 0,
             "admin_port": 0,
             "grace_period_s": 1.0,
+            # TLS (a self-signed certificate made at start-up) when the gateway shape in
+            # front connects to its picker over TLS.
+            "tls": {"enabled": gateway_uses_tls(settings.gateway)},
         },
         "pool": {
             "workers": [
@@ -101,7 +126,6 @@ class ScorerRun:
     def ready(self, timeout_s: float = 60.0) -> ScorerRun:
         """Wait for the scorer's ports, then start Envoy in front of it."""
         from kvscorer_tools.envoyrun import EnvoyProcess
-        from scorer.envoyproc import render_envoy_config
 
         if self.scorer is None:
             self.launch()
@@ -111,7 +135,7 @@ class ScorerRun:
             lambda: scorer_ports(log), timeout_s, f"scorer-{self.policy}", self.scorer
         )
         self.admin_url = f"http://127.0.0.1:{admin}"
-        self.envoy = EnvoyProcess(render_envoy_config(0, extproc, 0))
+        self.envoy = EnvoyProcess(envoy_config(self.settings, self.fleet, extproc))
         self.envoy.start()
         if self.envoy.proc is not None:
             self.group.record(self.envoy.proc.pid, f"envoy-{self.policy}")

@@ -29,3 +29,9 @@ class E2ESettings:
     run_dir: Path = field(default_factory=lambda: Path("bench/out/e2e-run"))
     request_timeout_s: float = 600.0
     progress: bool = False  # print a progress line while a policy runs
+    # Envoy in front of the scorer: None = the local envoy/envoy.yaml shape (plaintext);
+    # a gateway name (scorer.envoyproc.GATEWAYS) = Envoy configured as that gateway
+    # configures its picker filter, with TLS to the scorer where the gateway uses TLS.
+    gateway: str | None = None
+    # Response bodies sent to the scorer (the gateways send FULL_DUPLEX_STREAMED).
+    response_body_mode: str = "NONE"

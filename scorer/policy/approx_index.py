@@ -1,9 +1,9 @@
-"""The `approx` policy: cache-aware routing for fleets that publish no KV events.
+"""The decision-fed index of fleets that publish no KV events.
 
-The index is fed by our own decisions: when a request is routed to a worker, its block
-keys are remembered for that worker for `ttl_s` (default 120 s, Dynamo's ApproxKvIndexer
-window for `--no-kv-events`). A later request sharing the prefix is then scored exactly
-as by `kv`, with every remembered block counted as a GPU block.
+When a request is routed to a worker, its block keys are remembered for that worker for
+`ttl_s` (default 120 s, Dynamo's ApproxKvIndexer window for `--no-kv-events`). A later
+request sharing the prefix then matches as in the event-fed index, every remembered block
+counted as a GPU block.
 """
 
 from __future__ import annotations
@@ -11,13 +11,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
-from pydantic import Field
-
-from scorer.policy.base import PolicyContext, register
-from scorer.policy.cost import CostOptions
-from scorer.policy.kv import CacheAwarePolicy, IndexLike
-from scorer.pool.workers import Worker
 
 
 @dataclass(slots=True)
@@ -81,34 +74,3 @@ class ApproxIndex:
         """Forget everything about `endpoint`."""
         for holders in self._entries.values():
             holders.pop(endpoint, None)
-
-
-class ApproxOptions(CostOptions):
-    """`policies.approx`: the cost options plus the decision-fed index."""
-
-    ttl_s: float = Field(120.0, gt=0)  # how long a routed prefix counts as cached
-    max_keys: int = Field(1_000_000, ge=1)  # bound on remembered block keys
-
-
-@register
-class ApproxPolicy(CacheAwarePolicy):
-    """Approximate: an index of our own routing decisions, expiring after `ttl_s`."""
-
-    name = "approx"
-    Options = ApproxOptions
-    options: ApproxOptions
-
-    def __init__(self, ctx: PolicyContext, options: ApproxOptions) -> None:  # type: ignore[override]
-        super().__init__(ctx, options)
-        self.approx = ApproxIndex(options.ttl_s, options.max_keys, lambda: self.clock())
-
-    def index(self) -> IndexLike | None:
-        return self.approx
-
-    def stream_stale(self, w: Worker, now: float) -> bool:
-        return False  # no event streams involved
-
-    def after_decision(self, winner: str, keys: Sequence[int] | None, matched: int) -> None:
-        # All keys, also the matched ones: the winner just used them, refresh their TTL.
-        if keys:
-            self.approx.insert(winner, keys)

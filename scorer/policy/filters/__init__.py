@@ -1,0 +1,1 @@
+"""Filter plugins (listed in scorer.policy.registry)."""

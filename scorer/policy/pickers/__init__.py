@@ -1,0 +1,1 @@
+"""Picker plugins (listed in scorer.policy.registry)."""

@@ -1,0 +1,174 @@
+"""Scheduling plugins: filters, scorers and pickers (the inference extension's scheduler
+framework, pkg/epp/scheduling/framework, in Python).
+
+A plugin is one file: a class derived from `Filter`, `Scorer` or `Picker`, decorated with
+`@plugin("name")`, with its options as a pydantic model (`Options`). It is listed once in
+`scorer.policy.registry.PLUGINS`. A profile (`scorer.policy.profile`) runs, per decision:
+
+    filters (drop candidates, with a reason) → scorers (a value per remaining candidate,
+    higher is better, each times its weight, summed) → picker (the winner) → commit
+    (state changes, never in a dry run)
+
+`Cycle` is the per-decision scratch space every plugin reads: the request, the
+candidates, the clock, and the shared numbers computed once (load table, index matches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+from scorer.policy.base import PolicyOptions
+from scorer.policy.cost import BusyOptions, CostRow, LoadTable, load_table
+from scorer.policy.parts import IndexLike, MatchLike
+from scorer.routing import Reason, RoutingRequest
+
+if TYPE_CHECKING:
+    from scorer.policy.base import PolicyContext
+    from scorer.pool.workers import Worker
+
+
+class PluginOptions(PolicyOptions):
+    """Base of a plugin's options (a pydantic model; unknown keys fail naming the field).
+    Options shared with the shipped policies' sections derive from PolicyOptions."""
+
+
+_EMPTY: Mapping[str, MatchLike] = {}
+
+
+@dataclass(slots=True)
+class Cycle:
+    """One decision's state, shared by its plugins."""
+
+    request: RoutingRequest
+    candidates: Sequence[Worker]
+    now: float
+    block_size: int
+    request_blocks: float  # the prompt in blocks (from prompt_tokens, else block keys)
+    stale_after_s: float  # load.stale_after_s: older scrapes are ignored
+    waiting_request_blocks: float  # blocks per request in a scraped engine queue
+    # Why each candidate was filtered (None: kept). Set by filters.
+    filtered: list[str | None] = field(default_factory=list)
+    # Indices of the candidates the scorers and the picker see (after the filters).
+    eligible: list[int] = field(default_factory=list)
+    all_filtered: bool = False  # every candidate was filtered: all are scored anyway
+    # The cache side of the cost per candidate index (scorer dynamo_cost), for the
+    # explanation rows: the same numbers the cost used.
+    cost_rows: dict[int, CostRow] = field(default_factory=dict)
+    # The index lookup the explanation rows show (the first cache scorer's).
+    shown_matches: Mapping[str, MatchLike] = field(default_factory=dict)
+    # Busy thresholds applied while building the load table (the profile's busy filter).
+    busy: BusyOptions | None = None
+    stale_any: bool = False  # a cost row's credit was cut for a stale event stream
+    _load: LoadTable | None = None
+    _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
+
+    @property
+    def load(self) -> LoadTable:
+        """Every candidate's load terms (computed on first use, once)."""
+        t = self._load
+        if t is None:
+            t = self._load = load_table(
+                self.candidates,
+                self.now,
+                self.stale_after_s,
+                self.waiting_request_blocks,
+                self.busy,
+            )
+        return t
+
+    def matches(self, index: IndexLike | None) -> Mapping[str, MatchLike]:
+        """Each candidate's cached prefix in `index` (one lookup per index per decision)."""
+        keys = self.request.block_keys
+        if index is None or not keys:
+            return _EMPTY
+        got = self._matches.get(id(index))
+        if got is None:
+            got = self._matches[id(index)] = index.match(
+                keys, [w.endpoint for w in self.candidates]
+            )
+        return got
+
+
+class Plugin:
+    """Common base: a name, validated options, what the plugin reads, a commit hook."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
+    Options: ClassVar[type[PolicyOptions]] = PluginOptions
+    # What the plugin reads: "tokens" (block keys: the director tokenizes first),
+    # "index", "events", "load" (the load view), "headers". Documentation and the
+    # tokenize decision; a plugin reads parts only through `ctx.parts` and the Cycle.
+    consumes: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(
+        self, ctx: PolicyContext, options: PolicyOptions, clock: Callable[[], float]
+    ) -> None:
+        self.ctx = ctx
+        self.options = options
+        self.clock = clock
+
+    def prepare(self, cycle: Cycle) -> None:
+        """Called before the filters (e.g. to look the prompt up in an index)."""
+
+    def commit(self, cycle: Cycle, winner: int) -> None:
+        """The request goes to candidate `winner`: update state. Never in a dry run."""
+
+
+class Filter(Plugin):
+    """Drops candidates: sets `cycle.filtered[i]` to a reason for each one it drops."""
+
+    kind = "filter"
+
+    def sheds(self) -> bool:
+        """When every candidate is filtered, a sheddable request is refused (429) if a
+        filter says so; otherwise all candidates are scored (reason busy_all)."""
+        return False
+
+    def filter(self, cycle: Cycle) -> None:
+        raise NotImplementedError
+
+
+class Scorer(Plugin):
+    """A value per eligible candidate (parallel to `cycle.eligible`), higher is better."""
+
+    kind = "scorer"
+
+    def score(self, cycle: Cycle) -> list[float]:
+        raise NotImplementedError
+
+    def costs(self, cycle: Cycle) -> list[float]:
+        """The same values negated (lower is better). A scorer that computes costs
+        natively overrides this; a profile with this scorer alone at weight 1 calls it."""
+        return [0.0 - s for s in self.score(cycle)]
+
+
+class Picker(Plugin):
+    """Chooses among the eligible candidates given their total scores."""
+
+    kind = "picker"
+    # The decision's reason when the picker alone decides (round robin, random).
+    reason: ClassVar[Reason | None] = None
+
+    def pick(self, cycle: Cycle, costs: list[float]) -> int:
+        """Position in `cycle.eligible` of the winner. `costs` are the negated total
+        scores (lower is better), parallel to `cycle.eligible`."""
+        raise NotImplementedError
+
+    def order(self, cycle: Cycle, costs: list[float]) -> list[int]:
+        """Positions in `cycle.eligible`, best first (for fallback endpoints)."""
+        return sorted(range(len(costs)), key=lambda k: (costs[k], k))
+
+
+P = TypeVar("P", bound=type[Plugin])
+
+
+def plugin(name: str) -> Callable[[P], P]:
+    """Class decorator: the plugin's config name (`type:` in a profile)."""
+
+    def deco(cls: P) -> P:
+        cls.name = name
+        return cls
+
+    return deco

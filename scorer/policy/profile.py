@@ -1,0 +1,334 @@
+"""A scheduling profile: filters → weighted scorers → picker, as one Policy.
+
+The shipped policies (`kv`, `approx`, `least_loaded`, `round_robin`, `random`) are profiles
+(scorer.policy.profiles); users compose their own under `profiles.NAME` in the config and
+select it with `policy: NAME`:
+
+    profiles:
+      cache-and-queue:
+        filters: [{type: busy, busy_waiting: 8}]
+        scorers:
+          - {type: kv_overlap, weight: 2}
+          - {type: queue_depth, weight: 1}
+        picker: {type: max_score}
+
+Every plugin entry is `type` (a name in scorer.policy.registry), `weight` (scorers only,
+default 1) and the plugin's own options; a bad entry stops start-up naming the field
+(`profiles.cache-and-queue.scorers[1].weight: ...`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, ValidationError
+
+from scorer.policy.base import Policy, PolicyContext, PolicyOptions
+from scorer.policy.cost import BusyOptions
+from scorer.policy.plugin import Cycle, Filter, Picker, Plugin, Scorer
+from scorer.policy.registry import by_kind
+from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
+
+if TYPE_CHECKING:
+    from scorer.pool.workers import Worker
+
+
+@dataclass
+class ProfileSpec:
+    """A profile's plugins with validated options (what a profile config becomes)."""
+
+    filters: list[tuple[type[Filter], PolicyOptions]] = field(default_factory=list)
+    scorers: list[tuple[type[Scorer], PolicyOptions, float]] = field(default_factory=list)
+    picker: tuple[type[Picker], PolicyOptions] | None = None
+    fallbacks: int = 0
+    waiting_request_blocks: float | None = None
+    # The options section it was built from (`policies.kv` of a shipped profile).
+    options: PolicyOptions | None = None
+
+
+class ProfileConfig(PolicyOptions):
+    """`profiles.NAME`: the plugins by name, with their options inline."""
+
+    filters: list[dict[str, Any]] = Field(default_factory=list)
+    scorers: list[dict[str, Any]] = Field(default_factory=list)
+    picker: dict[str, Any] = Field(default_factory=lambda: {"type": "max_score"})
+    # Extra endpoints (next best first) after the winner, for Envoy to retry on.
+    fallbacks: int = Field(0, ge=0, le=8)
+    # Blocks per request in a scraped engine queue (None: the request's own size).
+    waiting_request_blocks: float | None = Field(None, ge=0)
+
+
+def _plugin(kind: str, entry: Any, where: str, scorer: bool = False) -> tuple[Any, ...]:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: must be a mapping with a `type`")
+    raw = dict(entry)
+    name = raw.pop("type", None)
+    known = by_kind(kind)
+    cls = known.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(
+            f"{where}.type: unknown {kind} {name!r} (known: {', '.join(sorted(known))})"
+        )
+    weight = raw.pop("weight", 1.0) if scorer else None
+    if scorer and (not isinstance(weight, int | float) or isinstance(weight, bool) or weight < 0):
+        raise ValueError(f"{where}.weight: must be a number >= 0")
+    try:
+        opts = cls.Options.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"{where}.{loc}: {err['msg']}") from None
+    return (cls, opts, float(weight or 0.0)) if scorer else (cls, opts)
+
+
+def spec_from_config(name: str, raw: dict[str, Any]) -> ProfileSpec:
+    """Validate `profiles.NAME`; ValueError names the field."""
+    where = f"profiles.{name}"
+    try:
+        pc = ProfileConfig.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"{where}.{loc}: {err['msg']}") from None
+    spec = ProfileSpec(fallbacks=pc.fallbacks, waiting_request_blocks=pc.waiting_request_blocks)
+    for k, entry in enumerate(pc.filters):
+        spec.filters.append(_plugin("filter", entry, f"{where}.filters[{k}]"))  # type: ignore[arg-type]
+    for k, entry in enumerate(pc.scorers):
+        spec.scorers.append(_plugin("scorer", entry, f"{where}.scorers[{k}]", scorer=True))  # type: ignore[arg-type]
+    spec.picker = _plugin("picker", pc.picker, f"{where}.picker")  # type: ignore[assignment]
+    return spec
+
+
+def no_token_reason(request: RoutingRequest) -> Reason | None:
+    """Why a request has no block keys (routed by load), or None when it has them."""
+    if request.block_keys is not None:
+        return None
+    if request.body is None:
+        return Reason.NO_BODY
+    if request.tokenize_error is not None:
+        return Reason.TOKENIZE_ERROR
+    return Reason.NO_TOKENIZER
+
+
+class Profile(Policy):
+    """Runs one ProfileSpec per decision (see the module docstring)."""
+
+    def __init__(self, ctx: PolicyContext, name: str, spec: ProfileSpec) -> None:
+        super().__init__(ctx, spec.options if spec.options is not None else PolicyOptions())
+        self.name = name
+        self.clock: Callable[[], float] = time.monotonic
+
+        def clock() -> float:
+            return self.clock()  # plugins follow a clock swapped in later (tests, replay)
+
+        self.filters = [cls(ctx, o, clock) for cls, o in spec.filters]
+        self.scorers = [cls(ctx, o, clock) for cls, o, _ in spec.scorers]
+        self.weights = [w for _, _, w in spec.scorers]
+        if spec.picker is not None:
+            pcls, popts = spec.picker
+        else:
+            pcls = by_kind("picker")["max_score"]  # type: ignore[assignment]
+            popts = pcls.Options()
+        self.picker: Picker = pcls(ctx, popts, clock)
+        self.plugins: list[Plugin] = [*self.filters, *self.scorers, self.picker]
+        self.needs_tokens = any("tokens" in p.consumes for p in self.plugins)
+        self.fallback_count = spec.fallbacks
+        self.waiting_request_blocks = spec.waiting_request_blocks
+        # The single-scorer, weight-1 case skips the weighted sum (the shipped profiles).
+        self._plain = len(self.scorers) == 1 and self.weights[0] == 1.0
+        self._shedders = [f for f in self.filters if f.sheds()]
+        # The first busy filter's thresholds are applied while the load table is built.
+        self._busy = next(
+            (f.options for f in self.filters if isinstance(f.options, BusyOptions)), None
+        )
+
+    def plugin(self, name: str) -> Plugin | None:
+        """This profile's plugin named `name` (first match), for tests and tools."""
+        return next((p for p in self.plugins if p.name == name), None)
+
+    def decide(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
+        """Filters → scorers → picker → explanation → commit (not in a dry run)."""
+        t0 = time.perf_counter()
+        config = self.ctx.config
+        block_size = request.block_size or config.pool.block_size
+        keys = request.block_keys
+        if request.prompt_tokens:
+            req_blocks = float(math.ceil(request.prompt_tokens / block_size))
+        else:
+            req_blocks = float(len(keys or ()))
+        wrb = self.waiting_request_blocks
+        if wrb is None:
+            wrb = max(req_blocks, 1.0)
+        n = len(candidates)
+        cycle = Cycle(
+            request,
+            candidates,
+            self.clock(),
+            block_size,
+            req_blocks,
+            config.load.stale_after_s,
+            wrb,
+            [None] * n,
+            busy=self._busy,
+        )
+        for p in self.scorers:
+            p.prepare(cycle)
+        t_match = time.perf_counter()
+
+        for f in self.filters:
+            f.filter(cycle)
+        filtered = cycle.filtered
+        eligible = [i for i in range(n) if filtered[i] is None]
+        all_filtered = not eligible
+        if all_filtered:
+            if request.sheddable and self._shedders:
+                d = refuse(self.name, Reason.SHED, "every eligible worker is busy")
+                d.candidates = self._rows(cycle, {})
+                t_score = time.perf_counter()
+                d.stages["match"] = t_match - t0
+                d.stages["score"] = t_score - t_match
+                d.stages["explain"] = time.perf_counter() - t_score
+                return d
+            eligible = list(range(n))
+        cycle.eligible = eligible
+        cycle.all_filtered = all_filtered
+
+        scorers = self.scorers
+        if self._plain:
+            costs = scorers[0].costs(cycle)
+        else:
+            total = [0.0] * len(eligible)
+            for s, w in zip(scorers, self.weights, strict=True):
+                if w:
+                    for k, v in enumerate(s.score(cycle)):
+                        total[k] += w * v
+            costs = [0.0 - t for t in total]
+        j = self.picker.pick(cycle, costs)
+        t_score = time.perf_counter()
+
+        cost_of = dict(zip(eligible, costs, strict=True)) if scorers else {}
+        rows = self._rows(cycle, cost_of)
+        win = rows[eligible[j]]
+        endpoints = [win.endpoint]
+        if self.fallback_count:
+            rest = [k for k in self.picker.order(cycle, costs) if k != j]
+            endpoints += [rows[eligible[k]].endpoint for k in rest[: self.fallback_count]]
+        reason, notes = self._reason(cycle, rows, win)
+        if not request.dry_run:
+            for plug in self.plugins:
+                plug.commit(cycle, eligible[j])
+        d = Decision(
+            endpoints=endpoints,
+            reason=reason,
+            policy=self.name,
+            candidates=rows,
+            matched_tokens=win.matched_tokens,
+            request_tokens=request.prompt_tokens,
+            notes=notes,
+        )
+        d.stages["match"] = t_match - t0
+        d.stages["score"] = t_score - t_match
+        d.stages["explain"] = time.perf_counter() - t_score
+        return d
+
+    def _reason(
+        self, cycle: Cycle, rows: list[CandidateScore], win: CandidateScore
+    ) -> tuple[Reason, list[str]]:
+        """Why the winner won, and the secondary reasons."""
+        notes: list[str] = []
+        if self.picker.reason is not None:
+            return self.picker.reason, notes
+        fallback = no_token_reason(cycle.request) if self.needs_tokens else None
+        stale_any = cycle.stale_any
+        stale = str(Reason.STALE_EVENTS)
+        if cycle.all_filtered:
+            reason = Reason.BUSY_ALL
+            if fallback is not None:
+                notes.append(str(fallback))
+        elif fallback is not None:
+            reason = fallback
+        elif stale_any and (
+            win.note == stale
+            or any(
+                rows[i].note == stale and rows[i].matched_blocks > win.matched_blocks
+                for i in cycle.eligible
+            )
+        ):
+            reason = Reason.STALE_EVENTS
+        elif win.matched_blocks > 0:
+            reason = Reason.KV_HIT
+        else:
+            reason = Reason.LOAD
+        if stale_any and reason is not Reason.STALE_EVENTS:
+            notes.append(stale)
+        if not cycle.all_filtered:
+            # A filtered worker held more of the prompt than the winner: say it spilled.
+            spilled = max(
+                (c for c in rows if c.filtered is not None),
+                key=lambda c: c.matched_blocks,
+                default=None,
+            )
+            if spilled is not None and spilled.matched_blocks > win.matched_blocks:
+                notes.append(f"spilled:{spilled.filtered}")
+        return reason, notes
+
+    @staticmethod
+    def _rows(cycle: Cycle, cost_of: dict[int, float]) -> list[CandidateScore]:
+        """One explanation row per candidate (filtered ones included), from the numbers
+        the filters, the cost and the picker used."""
+        load = cycle.load
+        pfs, dcs, wqs, kus = load.prefill, load.decode, load.waiting, load.kv_usage
+        matches = cycle.shown_matches
+        cost_rows = cycle.cost_rows
+        filtered = cycle.filtered
+        bs = cycle.block_size
+        rows: list[CandidateScore] = []
+        add = rows.append
+        for i, w in enumerate(cycle.candidates):
+            got = cost_rows.get(i)
+            if got is None:
+                mm = matches.get(w.endpoint) if matches else None
+                mb = 0 if mm is None else mm.blocks
+                add(
+                    CandidateScore(
+                        w.endpoint,
+                        mb,
+                        mb * bs,
+                        {} if mm is None else mm.by_medium,
+                        0.0,
+                        1.0,
+                        w.inflight.requests,
+                        pfs[i],
+                        dcs[i],
+                        wqs[i],
+                        kus[i],
+                        cost_of.get(i),
+                        filtered[i],
+                        None,
+                    )
+                )
+            else:
+                m, weighted, credit, stale = got
+                add(
+                    CandidateScore(
+                        w.endpoint,
+                        m.blocks,
+                        m.blocks * bs,
+                        m.by_medium,
+                        weighted,
+                        credit,
+                        w.inflight.requests,
+                        pfs[i],
+                        dcs[i],
+                        wqs[i],
+                        kus[i],
+                        cost_of.get(i),
+                        filtered[i],
+                        "stale_events" if stale else None,
+                    )
+                )
+        return rows

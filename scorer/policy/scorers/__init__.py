@@ -1,0 +1,1 @@
+"""Scorer plugins (listed in scorer.policy.registry)."""
