@@ -38,7 +38,8 @@ Duplicate cost (what a decision costs the fleet, not only the request; option
     duplicate_i = max(best_overlap - weighted_overlap_i, 0)      (blocks)
     cost_i     += duplicate_cost * duplicate_i
 
-where best_overlap is the longest weighted cached prefix among the eligible candidates.
+where best_overlap is the longest weighted cached prefix among the eligible candidates
+(a stale stream's overlap times stale_credit).
 Sending a request away from the worker that holds its prefix recomputes those blocks —
 the prefill term prices that, for this request — and also writes them a second time: the
 new worker evicts as many of its own cached blocks (under memory pressure every write
@@ -255,10 +256,11 @@ def dynamo_costs(
         add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
     dup = opts.duplicate_cost
     if dup > 0.0 and rows:
-        best = max(r[1] for r in rows.values())
+        # A stale stream's blocks may be gone: they count with stale_credit here too.
+        held = {i: r[1] * (stale_credit if r[3] else 1.0) for i, r in rows.items()}
+        best = max(held.values())
         for k, i in enumerate(eligible):
-            row = rows.get(i)
-            extra = best - (row[1] if row is not None else 0.0)
+            extra = best - held.get(i, 0.0)
             if extra > 0.0:
                 costs[k] += dup * extra
             if duplicate_out is not None:
