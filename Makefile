@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm fuzz lint typecheck proto bench clean
+.PHONY: demo test test-quick test-vllm fuzz lint typecheck proto bench clean manifests
 
 $(STAMP): pyproject.toml tools/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
@@ -20,6 +20,11 @@ demo: $(STAMP)
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# The edit loop (under a minute): every test that starts no Envoy and is not marked slow
+# (markers: tests/conftest.py). `make test` still runs everything.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not envoy and not slow"
+
 # Property tests only, exploring randomly with 10x the examples (tests/conftest.py profiles;
 # `make test` runs them derandomized). Keep any counterexample as an @example in its test.
 fuzz: $(STAMP)
@@ -30,8 +35,8 @@ test-vllm: $(STAMP)
 	bash tools/test-vllm.sh $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check scorer tools tests bench tests_vllm
-	$(VENV)/bin/ruff format --check scorer tools tests bench tests_vllm
+	$(VENV)/bin/ruff check scorer tools tests bench tests_vllm deploy
+	$(VENV)/bin/ruff format --check scorer tools tests bench tests_vllm deploy
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -39,6 +44,10 @@ typecheck: $(STAMP)
 # Regenerate the scorer.v1 gRPC stubs (committed; tests/test_proto_stubs.py fails when stale).
 proto: $(STAMP)
 	$(PY) -m scorer.api.protogen
+
+# Re-render deploy/manifests/ from deploy/values.yaml (make test fails when they differ).
+manifests: $(STAMP)
+	$(PY) deploy/render.py --write
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

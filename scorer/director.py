@@ -18,6 +18,7 @@ OpenAI error shape (`scorer.errors`).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+from prometheus_client import Counter
 
 from scorer.config import Config
 from scorer.decisions import DecisionLog
@@ -35,8 +37,11 @@ from scorer.policy.metrics import observe_decision
 from scorer.policy.profile import Profile
 from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
+from scorer.pool.prefill import PrefillModel
 from scorer.pool.workers import Pool
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
+from scorer.usage import OUTCOMES as USAGE_OUTCOMES
+from scorer.usage import Usage, UsageReader
 
 if TYPE_CHECKING:
     from scorer.pool.workers import Worker
@@ -104,6 +109,11 @@ class Completion:
     duration_s: float | None  # request headers → end of the response (followed only)
     request_bytes: int | None
     reset: bool = False  # ended by a reset (client gone, upstream failure)
+    # From the response body (followed responses with bodies only; None: unknown).
+    response_bytes: int | None = None
+    input_tokens: int | None = None  # usage.prompt_tokens
+    output_tokens: int | None = None  # usage.completion_tokens
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
 
 
 @dataclass(slots=True)
@@ -111,7 +121,33 @@ class _Live:
     decision: Decision
     started: float  # perf_counter at the request headers
     request_bytes: int | None
+    routed_at: float = 0.0  # director clock at the decision
+    uncached_tokens: float = 0.0  # prompt tokens the decision expected to prefill
+    stream: bool = False  # the request asked for a streamed response
+    block_size: int = 16
     status: int | None = None
+    reader: UsageReader | None = None  # set when the response headers arrive
+    prefill_over: bool = False
+    estimated: bool = False  # a prefill end estimate is scheduled
+    bodies: bool = False  # its response body chunks reach the director
+
+
+USAGE = Counter(
+    "kv_scorer_response_usage_total",
+    "Followed responses by what reading their usage found "
+    "(ok, absent, malformed, not_json, too_large, empty)",
+    ["outcome"],
+)
+TOKENS = Counter(
+    "kv_scorer_response_tokens_total",
+    "Tokens reported by responses' usage, by model, endpoint and kind (input, output, "
+    "cached = prompt_tokens_details.cached_tokens)",
+    ["model", "endpoint", "kind"],
+)
+_USAGE_COUNTERS = {o: USAGE.labels(o) for o in USAGE_OUTCOMES}
+# Model names come from request bodies: label values are capped (later names share one).
+_MAX_MODELS = 256
+_OTHER_MODEL = "__other__"
 
 
 CompletionHook = Callable[[Completion], None]
@@ -146,6 +182,13 @@ class Director:
         self._bodyless = Profile(policy.ctx, policy.name, least_loaded({}))
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count(1)
+        self._models: set[str] = set()
+        # Prefill end of requests the response will not tell about in time (non-streaming,
+        # or streams whose body Envoy does not send): (deadline, request id), a heap.
+        self.prefill = PrefillModel()
+        self.clock: Callable[[], float] = time.perf_counter
+        self._prefill_due: list[tuple[float, str]] = []
+        self._token_counters: dict[tuple[str, str, str], Any] = {}
         # Called once per request that was routed and followed, when it ends. The hook point
         # for request metrics (model, endpoint, status, duration). Hooks must not raise.
         self.completion_hooks: list[CompletionHook] = []
@@ -251,6 +294,8 @@ class Director:
         )
 
     def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
+        if self._prefill_due:
+            self.expire_prefill()
         t_dec = time.perf_counter()
         rng = self.policy.ctx.rng
         state = rng.getstate() if request.dry_run else None
@@ -308,7 +353,16 @@ class Director:
             prefill = max(total - d.matched_tokens / bs, 0.0)
             rid = request.request_id
             self.inflight.routed(rid, d.endpoints[0], request.prompt_tokens, prefill, total)
-            self._live[rid] = _Live(d, request.started, size)
+            live = _Live(d, request.started, size, self.clock(), prefill * bs, block_size=bs)
+            self._live[rid] = live
+            body = request.body
+            if body is not None:
+                # Requests with a body get an estimated prefill end; the response ends it
+                # earlier when it can (first body chunk of a stream, headers otherwise).
+                live.stream = body.get("stream") is True
+                live.estimated = True
+                due = live.routed_at + self.prefill.estimate(live.uncached_tokens)
+                heapq.heappush(self._prefill_due, (due, rid))
         elif self.completion_hooks:
             routed = bool(d.endpoints)
             self._complete(
@@ -344,6 +398,24 @@ class Director:
         req = RoutingRequest(request_id=f"dry-{next(self._ids)}", path="/debug/score")
         return await self.request_received(req, _json_encoder.encode(doc), dry_run=True)
 
+    def expire_prefill(self) -> int:
+        """Move requests whose estimated prefill end has passed to decode. Returns how
+        many. Runs before each decision (a heap peek when nothing is due)."""
+        due = self._prefill_due
+        now = self.clock()
+        n = 0
+        while due and due[0][0] <= now:
+            _, rid = heapq.heappop(due)
+            live = self._live.get(rid)
+            if live is not None and not live.prefill_over:
+                self._prefill_over(rid, live)
+                n += 1
+        return n
+
+    def _prefill_over(self, request_id: str, live: _Live) -> None:
+        live.prefill_over = True
+        self.inflight.first_byte(request_id)
+
     @staticmethod
     def refusal_body(d: Decision) -> bytes:
         """The OpenAI error body of a refused decision."""
@@ -360,21 +432,58 @@ class Director:
         return self.inflight.endpoint_of(request_id)
 
     def response_started(
-        self, request_id: str, status: int | None = None, served: str | None = None
+        self,
+        request_id: str,
+        status: int | None = None,
+        served: str | None = None,
+        content_type: str | None = None,
+        bodies: bool = False,
     ) -> bool:
-        """Response headers arrived. Returns True when Envoy served another endpoint."""
+        """Response headers arrived. Returns True when Envoy served another endpoint.
+
+        `bodies`: the response body chunks will reach the director (response_chunk).
+        """
         live = self._live.get(request_id)
         if live is None:
             return False
+        live.reader = UsageReader(content_type)
+        live.bodies = bodies
         moved = False
         if served is not None and served != self.inflight.endpoint_of(request_id):
             self.inflight.moved(request_id, served)
             moved = True
-        self.inflight.first_byte(request_id)
         if status is not None:
             live.status = status
             live.decision.response_status = status
+        # A stream's headers come before its prefill ends (vLLM): its first body chunk, or
+        # the estimate when the body does not reach us, ends prefill. Other responses'
+        # headers come after the generation (vLLM, non-streaming): prefill is over.
+        streaming = live.reader.streaming or live.stream
+        wait = streaming and (bodies or live.estimated)
+        if not live.prefill_over and not wait:
+            self._prefill_over(request_id, live)
         return moved
+
+    def response_chunk(self, request_id: str, data: bytes, end: bool) -> None:
+        """A response body chunk went to the client (already answered: never held here).
+        `end`: it was the last one (the response then ends)."""
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        reader = live.reader
+        if reader is not None:
+            reader.feed(data)
+            if reader.streaming:
+                if not live.prefill_over:
+                    # The first token: prefill is over; it also teaches the prefill model.
+                    self.prefill.observe(live.uncached_tokens, self.clock() - live.routed_at)
+                    self._prefill_over(request_id, live)
+                # Decode load grows with generated tokens (~one per SSE event).
+                events = data.count(b"data:")
+                if events:
+                    self.inflight.generated(request_id, events / live.block_size)
+        if end:
+            self.response_ended(request_id)
 
     def response_ended(self, request_id: str, reset: bool = False) -> None:
         """The response ended (end of stream, trailers) or the exchange was reset."""
@@ -383,6 +492,15 @@ class Director:
             return
         endpoint = self.inflight.endpoint_of(request_id) or live.decision.endpoints[0]
         self.inflight.finished(request_id)
+        usage: Usage | None = None
+        body_bytes: int | None = None
+        reader = live.reader
+        if reader is not None:
+            usage, outcome = reader.finish()
+            _USAGE_COUNTERS[outcome].inc()
+            body_bytes = reader.body_bytes if reader.chunks else None
+            if usage is not None:
+                self._count_tokens(live.decision.model, endpoint, usage)
         if reset and live.status is None:
             live.decision.notes.append("reset_before_response")
         if self.completion_hooks:
@@ -397,8 +515,31 @@ class Director:
                     duration_s=time.perf_counter() - live.started,
                     request_bytes=live.request_bytes,
                     reset=reset,
+                    response_bytes=body_bytes,
+                    input_tokens=usage.prompt_tokens if usage else None,
+                    output_tokens=usage.completion_tokens if usage else None,
+                    cached_tokens=usage.cached_tokens if usage else None,
                 )
             )
+
+    def _count_tokens(self, model: str | None, endpoint: str, usage: Usage) -> None:
+        m = model or ""
+        if m not in self._models:
+            if len(self._models) >= _MAX_MODELS:
+                m = _OTHER_MODEL
+            else:
+                self._models.add(m)
+        for kind, n in (
+            ("input", usage.prompt_tokens),
+            ("output", usage.completion_tokens),
+            ("cached", usage.cached_tokens),
+        ):
+            if n:
+                key = (m, endpoint, kind)
+                c = self._token_counters.get(key)
+                if c is None:
+                    c = self._token_counters[key] = TOKENS.labels(*key)
+                c.inc(n)
 
     def __len__(self) -> int:
         """Requests in flight (followed)."""

@@ -141,6 +141,7 @@ def render_envoy_config(
     direct_port: int = 0,
     extra_http_filters: Sequence[dict[str, Any]] = (),
     fail_open_endpoint: str | None = None,
+    response_body_mode: Literal["NONE", "STREAMED", "BUFFERED", "FULL_DUPLEX_STREAMED"] = "NONE",
 ) -> str:
     """An Envoy bootstrap (YAML) equivalent to envoy/envoy.yaml, with run-time ports.
 
@@ -157,6 +158,8 @@ def render_envoy_config(
     `ip:port` in `envoy.lb` metadata (and drops any client-sent destination header); the
     scorer's answer overwrites it. Without it a fail-open request has no destination and
     the ORIGINAL_DST cluster answers 503.
+    response_body_mode: how response bodies go to the scorer (the gateways use
+    FULL_DUPLEX_STREAMED: usage is read from them, every chunk answered at once).
     """
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -171,7 +174,7 @@ def render_envoy_config(
                 "request_header_mode": "SEND",  # must be SEND: routing starts on headers
                 "response_header_mode": "SEND" if track_responses else "SKIP",
                 "request_body_mode": body_mode,
-                "response_body_mode": "NONE",
+                "response_body_mode": response_body_mode if track_responses else "NONE",
                 # FULL_DUPLEX_STREAMED requires trailer mode SEND.
                 "request_trailer_mode": "SEND" if body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
                 # SEND keeps the stream open until the response ends (trailers may still

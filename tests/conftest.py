@@ -1,8 +1,32 @@
-"""Suite-wide settings: hypothesis profiles (`make test` derandomized, `make fuzz` random)."""
+"""What every suite shares: hypothesis profiles, the transport fixture, the markers.
+
+- hypothesis: `make test` derandomized (profile `ci`), `make fuzz` random (`fuzz`).
+- `transport`: the one parametrized fixture for `server.extproc_transport`; a test (or a
+  fixture such as the ext_proc `harness` or the e2e `scorer`) that asks for it runs once
+  per transport, asyncio and grpcio.
+- `envoy` marker: put on every test that uses a fixture starting a real Envoy (found from
+  the fixture's code), so `make test-quick` (`-m "not envoy and not slow"`) starts none.
+  A test that starts Envoy itself carries the marker explicitly; one that forgets fails:
+  while an unmarked test runs, `kvscorer_tools.envoyrun` refuses to start Envoy (an
+  environment variable, so child processes such as the demo refuse too).
+- `slow` marker: tests that take several seconds on their own (the quick loop skips them).
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
+from collections.abc import Generator, Iterable
+from typing import Any
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+from kvscorer_tools.envoyrun import FORBID_ENVOY_ENV
+
+TRANSPORTS = ("asyncio", "grpcio")
+# What a fixture calls to run the Envoy binary (kvscorer_tools.envoyrun).
+_ENVOY_CALLS = ("EnvoyProcess(", "validate_config(")
 
 # `make test`: every property test runs the same examples on every run (derandomize, no
 # example database), so the suite passes or fails the same way on any clone. A
@@ -25,3 +49,49 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """`server.extproc_transport` under test (module scope: module fixtures may use it)."""
+    return str(request.param)
+
+
+def _starts_envoy(func: Any) -> bool:
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in _ENVOY_CALLS)
+
+
+def _fixture_funcs(item: pytest.Item) -> Iterable[Any]:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [d.func for defs in info.name2fixturedefs.values() for d in defs]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cache: dict[Any, bool] = {}
+    for item in items:
+        if item.get_closest_marker("envoy") is not None:
+            continue
+        for func in _fixture_funcs(item):
+            if func not in cache:
+                cache[func] = _starts_envoy(func)
+            if cache[func]:
+                item.add_marker(pytest.mark.envoy)
+                break
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    if item.get_closest_marker("envoy") is None:
+        os.environ[FORBID_ENVOY_ENV] = item.nodeid
+    else:
+        os.environ.pop(FORBID_ENVOY_ENV, None)
+    try:
+        return (yield)
+    finally:
+        os.environ.pop(FORBID_ENVOY_ENV, None)

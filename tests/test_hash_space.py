@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import make_config
 
 from scorer.blocks import BlockHasher
-from scorer.config import load_config
 from scorer.events.apply import Applier
 from scorer.events.decode import BlockStored, EventBatch
 from scorer.index import BlockIndex
@@ -40,14 +40,11 @@ NAMESPACED = [e for e in EXAMPLES if e.get("cache_salt") or e.get("lora")]
 
 @pytest.fixture(scope="module")
 def tokens() -> Tokenization:
-    config = load_config(
-        overrides={
-            "tokens": {
-                "models": {"base": {"tokenizer": str(FIXTURES / "tokenizers" / "qwen3")}},
-                "lora_base": {"sql-lora": "base"},
-            }
+    config = make_config(
+        tokens={
+            "models": {"base": {"tokenizer": str(FIXTURES / "tokenizers" / "qwen3")}},
+            "lora_base": {"sql-lora": "base"},
         },
-        environ={},
     )
     return Tokenization(config, BlockHasher(16))
 

@@ -11,9 +11,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_ext_proc_stubs_and_envoy_binary_in_one_venv() -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc
 
@@ -42,6 +45,7 @@ def test_ext_proc_stubs_and_envoy_binary_in_one_venv() -> None:
     assert "1.40.0" in r.stdout
 
 
+@pytest.mark.slow
 def test_console_script_serve_help() -> None:
     r = subprocess.run(
         [sys.executable, "-m", "scorer.cli", "serve", "--help"],
@@ -93,6 +97,7 @@ def _metadata(whl: zipfile.ZipFile) -> list[str]:
     return whl.read(name).decode().splitlines()
 
 
+@pytest.mark.slow
 def test_runtime_wheel_is_the_runtime_only(tmp_path: Path) -> None:
     whl = _build_wheel(ROOT, ["pyproject.toml", "README.md", "scorer"], tmp_path)
     names = whl.namelist()
@@ -122,6 +127,7 @@ def test_runtime_wheel_is_the_runtime_only(tmp_path: Path) -> None:
                 assert not [m for m in mods if m.split(".")[0] == "kvscorer_tools"], n
 
 
+@pytest.mark.slow
 def test_tools_wheel_carries_trace_and_registers_subcommands(tmp_path: Path) -> None:
     whl = _build_wheel(ROOT / "tools", ["pyproject.toml", "kvscorer_tools"], tmp_path)
     names = set(whl.namelist())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from scorer.config import load_config
+from configs import make_config
+
 from scorer.policy.base import PolicyContext, build_policy
 from scorer.pool.workers import Pool
 from scorer.routing import Reason, RoutingRequest
@@ -13,7 +14,7 @@ EPS = ["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"]
 
 
 def setup(name: str, **opts: object) -> tuple[Pool, object]:
-    cfg = load_config(overrides={"pool": {"workers": EPS}, "policy": name}, environ={})
+    cfg = make_config(EPS, policy=name)
     pool = Pool.from_config(cfg)
     ctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(7))
     return pool, build_policy(name, ctx, dict(opts))

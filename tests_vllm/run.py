@@ -55,7 +55,16 @@ from tests_vllm.fleet import (
     peer_ready,
 )
 from tests_vllm.load import Result, run_conversations, send
-from tests_vllm.procs import Proc, Procs, TierError, free_port, http, post_json, wait_until
+from tests_vllm.procs import (
+    Proc,
+    Procs,
+    TierError,
+    free_port,
+    get_json,
+    http,
+    post_json,
+    wait_until,
+)
 from tests_vllm.workload import MODEL, Conversation, conversations, parity_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -471,7 +480,15 @@ class Tier:
             "ttft_p50_s": round(ttfts[len(ttfts) // 2], 3) if ttfts else None,
             "wall_s": round(wall, 1),
             "errors": Counter(r.error[:80] for r in res if r.status != 200).most_common(3),
+            "reasons": self._reasons(len(res)),
         }
+
+    def _reasons(self, n: int) -> dict[str, int] | None:
+        """kv-scorer's decision reasons for the last `n` requests (None for the peers)."""
+        if self.scorer is None:
+            return None
+        got = get_json(self.scorer.admin + f"/debug/decisions?limit={n}")
+        return dict(Counter(str(d.get("reason")) for d in got.get("decisions", [])))
 
     def _routing_convs(self) -> list[Conversation]:
         a = self.args
@@ -603,14 +620,15 @@ class Tier:
         # The first request goes at once (no settle): a stale index shows here.
         rows = self._sequential(warm, "after-restart", settle_first=False)
         # How long the old engine's blocks stayed indexed after the worker was back.
-        stale_s = None
+        stale_s: float | None = 0.0 if stale_at_up == 0 else None
         with contextlib.suppress(TierError):
             wait_until(
                 lambda: sc.blocks().get(victim.endpoint, 0) < stale_at_up or stale_at_up == 0,
                 60.0,
                 "the old engine's blocks to leave the index",
             )
-            stale_s = round(time.monotonic() - t_up, 1)
+            if stale_s is None:
+                stale_s = round(time.monotonic() - t_up, 1)
         # Over-prediction: the index claims more of a prompt on the restarted worker than
         # its new engine holds. Until a request is routed there, the new engine holds
         # nothing of these prompts; once one is, vLLM's counted hits tell.

@@ -214,6 +214,10 @@ def observe_completion(c: Completion) -> None:
             from_model_server=c.from_model_server,
             duration_s=c.duration_s,
             request_bytes=c.request_bytes,
+            response_bytes=c.response_bytes,
+            input_tokens=c.input_tokens,
+            output_tokens=c.output_tokens,
+            cached_tokens=c.cached_tokens,
         )
     )
 

@@ -159,6 +159,41 @@ def continue_headers(
     return resp
 
 
+def streamed_response_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    """The answer to a response body chunk in FULL_DUPLEX_STREAMED: the same bytes and
+    end_of_stream back as a `streamed_response` (Envoy rejects a plain CommonResponse in
+    that mode as a spurious message; the inference extension's handlers/server.go answers
+    the same way)."""
+    resp = ep.ProcessingResponse()
+    sr = resp.response_body.response.body_mutation.streamed_response
+    sr.body = body
+    sr.end_of_stream = end_of_stream
+    return resp
+
+
+def continue_response_body() -> ep.ProcessingResponse:
+    """The answer to a response body message in STREAMED, BUFFERED or BUFFERED_PARTIAL
+    mode: CONTINUE, body unchanged (one answer per message, in order)."""
+    resp = ep.ProcessingResponse()
+    resp.response_body.response.status = ep.CommonResponse.CONTINUE
+    return resp
+
+
+def continue_response_trailers() -> ep.ProcessingResponse:
+    """The answer to response trailers: unchanged."""
+    resp = ep.ProcessingResponse()
+    resp.response_trailers.SetInParent()
+    return resp
+
+
+def header_value(headers: ep.HttpHeaders, name: str) -> str | None:
+    """One header's value (name lower-case), or None."""
+    for h in headers.headers.headers:
+        if h.key == name:
+            return h.raw_value.decode("latin-1") if h.raw_value else str(h.value)
+    return None
+
+
 def continue_body(
     mutation: ep.HeaderMutation | None = None, metadata: struct_pb2.Struct | None = None
 ) -> ep.ProcessingResponse:

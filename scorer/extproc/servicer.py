@@ -91,6 +91,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # Prebuilt constant responses (no per-request allocation for the common answers).
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
         self._continue_response_headers = P.continue_headers(response_path=True)
+        self._continue_response_body = P.continue_response_body()
+        self._continue_response_trailers = P.continue_response_trailers()
         self._skip_response = P.mode_override_skip_response()
         self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
 
@@ -109,9 +111,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         outcome = "error"
         ended = False  # the response ended in-band (end_of_stream or Envoy half-closed)
         try:
-            rid, outcome = await self._request_phase(context)
+            rid, outcome, response_mode = await self._request_phase(context)
             if rid is not None and self.track_responses:
-                ended = await self._response_phase(rid, context)
+                ended = await self._response_phase(rid, context, response_mode)
         except (grpc.aio.AbortError, AbortStream):
             raise
         except asyncio.CancelledError:
@@ -138,24 +140,33 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ request path
 
-    async def _request_phase(self, context: StreamContext) -> tuple[str | None, str]:
-        """Read the request, answer with the destination. Returns (in-flight id, outcome)."""
+    async def _request_phase(self, context: StreamContext) -> tuple[str | None, str, int]:
+        """Read the request, answer with the destination. Returns (in-flight id, outcome,
+        the response body mode Envoy announced: NONE when it announced none)."""
         msg = await context.read()
         if msg is _EOF:
-            return None, "empty"
+            return None, "empty", 0
         assert isinstance(msg, ep.ProcessingRequest)
         kind = msg.WhichOneof("request")
         if kind != "request_headers":
             # Request processing skipped by the proxy config: nothing to route here.
             await self._passthrough(msg, context)
-            return None, "empty"
+            return None, "empty", 0
+        # Envoy announces its body modes on the first message (ProtocolConfiguration); the
+        # response answers follow the announced mode (absent: an Envoy without
+        # FULL_DUPLEX_STREAMED, so plain answers).
+        response_mode = (
+            msg.protocol_config.response_body_mode
+            if msg.HasField("protocol_config")
+            else P.ProcessingMode.NONE
+        )
         headers = P.header_map(msg.request_headers)
         req = self.director.new_request(headers, self._subset(msg, headers))
 
         if msg.request_headers.end_of_stream:
             d = await self.director.request_received(req, None)
             await context.write(self._headers_answer(d))
-            return self._routed(d)
+            return (*self._routed(d), response_mode)
 
         full_duplex = True
         if msg.HasField("protocol_config"):
@@ -170,7 +181,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         while True:
             m = await context.read()
             if m is _EOF:
-                return None, "cancelled"
+                return None, "cancelled", 0
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
             if k == "request_body":
@@ -180,7 +191,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     size += len(b)
                 if size > self.max_body:
                     await context.write(self._error_answer(self.director.too_large(req)))
-                    return None, "too_large"
+                    return None, "too_large", 0
                 if m.request_body.end_of_stream or m.request_body.end_of_stream_without_message:
                     break
             elif k == "request_trailers":
@@ -196,7 +207,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ROUTE_SECONDS.observe(time.perf_counter() - t0)
         if not d.endpoints:
             await context.write(self._error_answer(d))
-            return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint")
+            return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint"), 0
 
         await context.write(self._routing_answer(d, full_duplex))
         if full_duplex:
@@ -204,7 +215,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 await context.write(r)
         if trailers:
             await context.write(P.continue_trailers())
-        return self._routed(d)
+        return (*self._routed(d), response_mode)
 
     def _subset(self, msg: ep.ProcessingRequest, headers: dict[str, str]) -> frozenset[str] | None:
         """The gateway's subset hint, narrowed by the conformance selection header when
@@ -271,6 +282,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         rid: str,
         context: StreamContext,
+        response_mode: int,
     ) -> bool:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange).
         Returns True when it ended in-band."""
@@ -279,7 +291,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return False
         self._following.add(task)
         try:
-            await self._follow(rid, context)
+            await self._follow(rid, context, response_mode)
             return True
         except asyncio.CancelledError:
             if not self._releasing:
@@ -303,23 +315,46 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         rid: str,
         context: StreamContext,
+        response_mode: int,
     ) -> None:
+        """The response: headers, then body chunks (each answered at once, in order, with
+        the same bytes: `streamed_response` in FULL_DUPLEX_STREAMED, CONTINUE otherwise),
+        then trailers. The director sees every chunk after it has been answered."""
+        director = self.director
+        write = context.write
+        duplex = response_mode == P.FULL_DUPLEX
+        # Body chunks reach us in any mode but NONE (a mode Envoy did not announce: none).
+        bodies = response_mode != P.ProcessingMode.NONE
         while True:
             m = await context.read()
             if m is _EOF:
                 return
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
-            if k == "response_headers":
+            if k == "response_body":
+                rb = m.response_body
+                data, end = rb.body, rb.end_of_stream
+                if duplex:
+                    await write(P.streamed_response_body(data, end))
+                else:
+                    await write(self._continue_response_body)
+                director.response_chunk(rid, data, end)
+            elif k == "response_headers":
+                rh = m.response_headers
                 status = P.response_status(m) or None
-                if self.director.response_started(rid, status, P.served_endpoint(m)):
+                ctype = P.header_value(rh, "content-type")
+                if director.response_started(rid, status, P.served_endpoint(m), ctype, bodies):
                     SERVED_MOVED.inc()
                 if self.echo_served:
-                    await context.write(conformance.served_response(m))
+                    await write(conformance.served_response(m))
                 else:
-                    await context.write(self._continue_response_headers)
-                if m.response_headers.end_of_stream:
+                    await write(self._continue_response_headers)
+                if rh.end_of_stream:
+                    director.response_ended(rid)
                     return
+            elif k == "response_trailers":
+                await write(self._continue_response_trailers)
+                director.response_ended(rid)
             else:
                 await self._passthrough(m, context)
 

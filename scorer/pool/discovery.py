@@ -76,6 +76,16 @@ class PodEndpoint:
     annotations: tuple[tuple[str, str], ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A pod as discovery needs it: "ok" or why not, its uid, its endpoints (when ok)."""
+
+    state: str
+    uid: str
+    endpoints: tuple[PodEndpoint, ...]
+    resource_version: str | None = None
+
+
 def pool_spec(obj: Mapping[str, Any]) -> PoolSpec:
     """Selector and target ports of an InferencePool v1 object (ValueError if unusable)."""
     spec = obj.get("spec") or {}
@@ -196,7 +206,8 @@ class PoolDiscovery:
         self.pool_informer: Informer | None = None
         self.pod_informer: Informer | None = None
         self._pod_task: asyncio.Task[None] | None = None
-        self._previous: dict[str, dict[str, Any]] | None = None
+        self._views: dict[str, PodView] = {}  # pod name → what it contributes
+        self._by_pod: dict[str, set[str]] = {}  # pod name → its endpoints in the pool
         self._tasks: list[asyncio.Task[None]] = []
         self._api: Any = None
         self.reconciles = 0
@@ -256,7 +267,7 @@ class PoolDiscovery:
 
     # ---- the pool object ---------------------------------------------------------------
 
-    def _pool_changed(self) -> None:
+    def _pool_changed(self, _name: str | None = None) -> None:
         assert self.pool_informer is not None
         obj = self.pool_informer.items.get(self.d.pool_name or "")
         if obj is None:
@@ -265,7 +276,8 @@ class PoolDiscovery:
                 log.warning("discovery: %s; removing its workers", self.pool_error)
             self.spec = None
             self._stop_pods()
-            self._reconcile(pool_gone=True)
+            self._views = {}
+            self._reconcile_all(pool_gone=True)
             return
         try:
             spec = pool_spec(obj)
@@ -275,27 +287,36 @@ class PoolDiscovery:
             return
         self.pool_error = None
         old, self.spec = self.spec, spec
+        if old == spec:
+            return
+        # Judge the pods we know by the new spec now (pods the new selector no longer
+        # matches leave as "deselected", dropped ports as "port_removed") ...
+        known = self.pod_informer.items if self.pod_informer is not None else {}
+        self._rebuild_views(known, fresh=True)
         if old is None or old.selector != spec.selector:
-            # A new selector is a new result set: list the pods again (their informer's
+            # ... and list again: a new selector is a new result set (the informer's
             # resourceVersion belongs to the old query).
             self._start_pods()
-        self._reconcile()
+        if known or old is not None:
+            self._reconcile_all()
 
     # ---- pods --------------------------------------------------------------------------
 
     def _start_pods(self) -> None:
         assert self.spec is not None
-        if self.pod_informer is not None and self.pod_informer.synced:
-            # Until the new query is listed, judge by the last known pods (so pods the new
-            # selector no longer matches leave now, as "deselected").
-            self._previous = self.pod_informer.items
         self._stop_pods()
         list_fn = functools.partial(self._core.list_namespaced_pod, self.namespace)
+        informer: Informer | None = None
+
+        def changed(name: str | None) -> None:
+            if informer is self.pod_informer:  # a replaced informer's late news is void
+                self._pods_changed(name)
+
         informer = Informer(
             "pods",
             list_fn,
             {"label_selector": selector_string(self.spec.selector)},
-            self._reconcile,
+            changed,
             self.settings,
             self.clock,
         )
@@ -309,57 +330,107 @@ class PoolDiscovery:
         self.pod_informer = None
 
     # ---- reconcile ---------------------------------------------------------------------
+    # Each pod is read once per change into a PodView; a pod event reconciles that pod only
+    # (O(its ports)); a list, a new selector or new ports reconcile everything from views.
 
-    def _pods(self) -> dict[str, dict[str, Any]] | None:
-        """The pods as last known: the informer's once listed, else its predecessor's."""
-        if self.pod_informer is not None and self.pod_informer.synced:
-            return self.pod_informer.items
-        return self._previous
+    def _view(self, pod: Mapping[str, Any]) -> PodView:
+        assert self.spec is not None
+        state = pod_state(pod, self.spec.selector)
+        uid = str((pod.get("metadata") or {}).get("uid", ""))
+        eps = tuple(pod_endpoints(pod, self.spec.ports)) if state == "ok" else ()
+        rv = (pod.get("metadata") or {}).get("resourceVersion")
+        return PodView(state, uid, eps, None if rv is None else str(rv))
+
+    def _rebuild_views(self, pods: Mapping[str, Mapping[str, Any]], fresh: bool = False) -> None:
+        """Views of `pods`; a pod whose resourceVersion is unchanged keeps its view (a re-list
+        after 410 Gone re-reads only what changed) unless `fresh` (a new spec)."""
+        old = {} if fresh else self._views
+        views: dict[str, PodView] = {}
+        for name, pod in pods.items():
+            v = old.get(name)
+            rv = (pod.get("metadata") or {}).get("resourceVersion")
+            if v is None or v.resource_version is None or v.resource_version != str(rv):
+                v = self._view(pod)
+            views[name] = v
+        self._views = views
+
+    def _pods_changed(self, name: str | None) -> None:
+        informer = self.pod_informer
+        if informer is None or self.spec is None:
+            return
+        if name is None:  # a full list: the server's truth
+            self._rebuild_views(informer.items)
+            self._reconcile_all()
+            return
+        pod = informer.items.get(name)
+        if pod is None:
+            self._views.pop(name, None)
+        else:
+            self._views[name] = self._view(pod)
+        self._reconcile_pod(name)
 
     def desired(self) -> dict[str, PodEndpoint]:
         """Every routable address the current objects describe."""
-        out: dict[str, PodEndpoint] = {}
-        pods = self._pods()
-        if self.spec is None or pods is None:
-            return out
-        for pod in pods.values():
-            if pod_state(pod, self.spec.selector) == "ok":
-                for pe in pod_endpoints(pod, self.spec.ports):
-                    out[pe.endpoint] = pe
-        return out
+        return {
+            pe.endpoint: pe for v in self._views.values() if v.state == "ok" for pe in v.endpoints
+        }
 
-    def _why_gone(self, uid: str | None, endpoint: str) -> str:
+    def _why_gone(self, pod_name: str, endpoint: str) -> str:
         """Why a worker's address left the desired set."""
         if self.spec is None:
             return "pool_deleted"
-        for pod in (self._pods() or {}).values():
-            if (pod.get("metadata") or {}).get("uid") == uid:
-                state = pod_state(pod, self.spec.selector)
-                if state == "ok":
-                    port = int(endpoint.rsplit(":", 1)[1])
-                    return "port_removed" if port not in self.spec.ports else "replaced"
-                return state
-        return "deleted"
+        v = self._views.get(pod_name)
+        if v is None:
+            return "deleted"
+        if v.state != "ok":
+            return v.state
+        port = int(endpoint.rsplit(":", 1)[1])
+        return "port_removed" if port not in self.spec.ports else "replaced"
 
-    def _reconcile(self, pool_gone: bool = False) -> None:
-        if not pool_gone and (self.spec is None or self._pods() is None):
-            return  # a half-known state never removes workers
+    def _add(self, pod_name: str, pe: PodEndpoint) -> None:
+        w = self.pool.get(pe.endpoint)
+        if w is not None:
+            if w.pod_uid == pe.uid:
+                self._by_pod.setdefault(pod_name, set()).add(pe.endpoint)
+                return
+            # Same address, another pod (IP reuse): purge, then add as new.
+            self.pool.remove(pe.endpoint, "replaced")
+            if w.pod:
+                self._by_pod.get(w.pod.split("/", 1)[-1], set()).discard(pe.endpoint)
+        wc = worker_config(pe, self.d, self.config.events.bind)
+        self.pool.add(wc, "ready", pod=pe.pod, pod_uid=pe.uid)
+        self._by_pod.setdefault(pod_name, set()).add(pe.endpoint)
+
+    def _reconcile_pod(self, name: str) -> None:
+        self.reconciles += 1
+        v = self._views.get(name)
+        want = {pe.endpoint: pe for pe in v.endpoints} if v is not None else {}
+        had = self._by_pod.get(name, set())
+        for ep in [e for e in had if e not in want]:
+            had.discard(ep)
+            w = self.pool.get(ep)
+            if w is not None and w.pod == f"{self.namespace}/{name}":
+                self.pool.remove(ep, self._why_gone(name, ep))
+        for pe in want.values():
+            self._add(name, pe)
+        if not self._by_pod.get(name):
+            self._by_pod.pop(name, None)
+
+    def _reconcile_all(self, pool_gone: bool = False) -> None:
         self.reconciles += 1
         want = self.desired()
         for w in list(self.pool):
             pe = want.get(w.endpoint)
-            if pe is None:
-                self.pool.remove(w.endpoint, self._why_gone(w.pod_uid, w.endpoint))
-            elif pe.uid != w.pod_uid:
-                # Same address, another pod (IP reuse): purge, then add as new.
-                self.pool.remove(w.endpoint, "replaced")
-        for ep, pe in want.items():
-            if ep not in self.pool.workers:
-                wc = worker_config(pe, self.d, self.config.events.bind)
-                self.pool.add(wc, "ready", pod=pe.pod, pod_uid=pe.uid)
-        if self.pod_informer is not None and self.pod_informer.synced:
-            self._previous = None
-        if not pool_gone and not self.synced.is_set() and self._previous is None:
+            if pe is None or pe.uid != w.pod_uid:
+                owner = (w.pod or "").split("/", 1)[-1]
+                reason = "replaced" if pe is not None else self._why_gone(owner, w.endpoint)
+                self.pool.remove(w.endpoint, reason)
+        self._by_pod = {}
+        for name, v in self._views.items():
+            for pe in v.endpoints:
+                self._add(name, pe)
+        informer = self.pod_informer
+        if not pool_gone and not self.synced.is_set() and informer is not None and informer.synced:
             self.synced.set()
             log.warning("discovery: first sync done, %d workers", len(self.pool))
 

@@ -63,7 +63,8 @@ class InflightTracker:
         self._flights[request_id] = _Flight(endpoint, prompt_tokens, prefill_blocks, total_blocks)
 
     def first_byte(self, request_id: str) -> None:
-        """Response headers arrived: prefill is over, the request now decodes."""
+        """Prefill is over (the first token came, or its estimate says so): the request
+        now decodes."""
         f = self._flights.get(request_id)
         if f is None or not f.in_prefill:
             return
@@ -72,6 +73,15 @@ class InflightTracker:
         wl.prefill_tokens -= f.prompt_tokens
         wl.prefill_blocks -= f.prefill_blocks
         wl.decode_blocks += f.total_blocks
+
+    def generated(self, request_id: str, blocks: float) -> None:
+        """The request generated `blocks` more KV blocks of output (decode load grows)."""
+        f = self._flights.get(request_id)
+        if f is None or blocks <= 0.0:
+            return
+        f.total_blocks += blocks
+        if not f.in_prefill:
+            self.load(f.endpoint).decode_blocks += blocks
 
     def moved(self, request_id: str, endpoint: str) -> None:
         """Envoy reported it served the request on another endpoint (a fallback)."""

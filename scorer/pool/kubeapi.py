@@ -161,14 +161,15 @@ ListFn = Callable[..., Awaitable[Any]]
 
 class Informer:
     """Keeps `items` (object name → the API's JSON object) equal to the server's view of
-    one list call's result set, and calls `on_change()` after every change."""
+    one list call's result set, and calls `on_change(name)` after every change of one
+    object, `on_change(None)` after a full list."""
 
     def __init__(
         self,
         resource: str,
         list_fn: ListFn,
         kwargs: Mapping[str, Any],
-        on_change: Callable[[], None],
+        on_change: Callable[[str | None], None],
         settings: WatchSettings | None = None,
         clock: Clock | None = None,
     ) -> None:
@@ -266,7 +267,7 @@ class Informer:
         self.stats.lists += 1
         RELISTS.labels(self.resource, cause).inc()
         self._ok()
-        self.on_change()
+        self.on_change(None)
 
     # ---- watch -------------------------------------------------------------------------
 
@@ -340,4 +341,4 @@ class Informer:
             self.items.pop(name, None)
         else:
             return
-        self.on_change()
+        self.on_change(name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvscorer_tools.bench.replay import (
     ReplaySettings,
     RequestKeys,
@@ -49,6 +51,7 @@ def test_tiny_capacity_evicts_and_prompts_too_big_are_errors() -> None:
     assert res.errors == 0 and res.extra["evictions"] > 0
 
 
+@pytest.mark.slow
 def test_mooncake_slice_kv_vs_round_robin() -> None:
     wl = mooncake_conversation().slice(max_requests=400)
     s = ReplaySettings(workers=8, capacity_blocks=1000, block_size=512, seed=0)
@@ -60,6 +63,7 @@ def test_mooncake_slice_kv_vs_round_robin() -> None:
     assert kv.throughput_rps > 0 and kv.ttft_p99_ms >= kv.ttft_p50_ms > 0
 
 
+@pytest.mark.slow
 def test_cli_writes_results_json_and_plots(tmp_path: Path, capsys: object) -> None:
     out = tmp_path / "o"
     rc = main([

@@ -18,6 +18,7 @@ from kvscorer_tools.bench.workloads import (
 )
 
 
+@pytest.mark.slow
 def test_oracle_on_the_real_conversation_trace() -> None:
     wl = mooncake_conversation()
     assert len(wl) == 12031
@@ -27,6 +28,7 @@ def test_oracle_on_the_real_conversation_trace() -> None:
     assert wl.duration_s == pytest.approx(3537.0, abs=1.0)
 
 
+@pytest.mark.slow
 def test_shared_hash_ids_share_tokens_exactly() -> None:
     wl = mooncake_conversation()
     a, b = wl.requests[0], wl.requests[1]  # both start with hash id 0, then differ

@@ -15,7 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvscorer_tools.bench.report import check_results_shape
+
+# Both tests run the demo: real Envoy in a child process, tens of seconds each.
+pytestmark = [pytest.mark.envoy, pytest.mark.slow]
 
 
 def _alive(pid: int) -> bool:
@@ -99,15 +104,15 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     try:
         deadline = time.monotonic() + 60
         pids: list[int] = []
-        # Wait until the simulated workers and a scorer are up (the pids file grows).
+        # Wait until the simulated workers, a scorer and its Envoy are up (the pids file
+        # grows), so the interrupt lands mid-run.
         while time.monotonic() < deadline and proc.poll() is None:
             if (out / "logs" / "pids").exists():
                 pids = _pids(out)
-                if len(pids) >= 5:
+                if len(pids) >= 6:
                     break
             time.sleep(0.05)
-        assert len(pids) >= 5 and proc.poll() is None
-        time.sleep(0.5)
+        assert len(pids) >= 6 and proc.poll() is None
         proc.send_signal(signal.SIGINT)
         stdout, _ = proc.communicate(timeout=30)
     finally:

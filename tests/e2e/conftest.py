@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
-from e2e_helpers import SUBSET_FILTER, Backend, scorer_config, start_backend
+from configs import make_config
+from e2e_helpers import SUBSET_FILTER, Backend, start_backend
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -26,9 +27,11 @@ async def backends() -> AsyncIterator[list[Backend]]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def scorer(backends: list[Backend]) -> AsyncIterator[App]:
-    app = App(scorer_config([b.endpoint for b in backends]))
+async def scorer(backends: list[Backend], transport: str) -> AsyncIterator[App]:
+    """The scorer under test, once per ext_proc transport (tests/conftest.py)."""
+    app = App(make_config([b.endpoint for b in backends], server={"extproc_transport": transport}))
     await app.start()
+    assert (app.extproc_h2 is not None) == (transport == "asyncio")
     try:
         yield app
     finally:

@@ -11,8 +11,6 @@ from typing import Any
 
 from aiohttp import web
 
-from scorer.config import Config, load_config
-
 
 @dataclass
 class Backend:
@@ -123,20 +121,3 @@ SUBSET_FILTER = {
         ],
     },
 }
-
-
-def scorer_config(workers: list[str], **over: Any) -> Config:
-    """A scorer on loopback, ports chosen by the OS, round_robin over `workers`."""
-    data: dict[str, Any] = {
-        "server": {
-            "host": "127.0.0.1",
-            "extproc_port": 0,
-            "health_port": 0,
-            "admin_port": 0,
-            "grace_period_s": 0.5,
-        },
-        "pool": {"workers": workers},
-        "policy": "round_robin",
-    }
-    data.update(over)
-    return load_config(overrides=data, environ={})

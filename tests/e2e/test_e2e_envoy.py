@@ -116,9 +116,18 @@ async def test_sse_stream_arrives_unbuffered(
         assert first.startswith(b"data: first from b")
         name = first.decode().split()[-1]
         b = next(b for b in backends if b.name == name)
-        # The response headers were seen: the request left prefill in the accounting.
-        assert scorer.pool.inflight.load(b.endpoint).requests == 1
-        assert scorer.pool.inflight.load(b.endpoint).prefill_tokens == 0
+        # A stream's headers come before its prefill ends (vLLM) and this Envoy sends no
+        # response body: the request stays in prefill until its estimated prefill end.
+        load = scorer.pool.inflight.load(b.endpoint)
+        assert load.requests == 1 and load.prefill_tokens > 0
+        director = scorer.director
+        real_clock = director.clock
+        director.clock = lambda: real_clock() + 3600.0
+        try:
+            assert director.expire_prefill() == 1
+        finally:
+            director.clock = real_clock
+        assert load.requests == 1 and load.prefill_tokens == 0 and load.decode_blocks > 0
         b.release.set()
         rest = await asyncio.wait_for(r.read(), 5)
     assert b"[DONE]" in rest

@@ -1,5 +1,6 @@
-"""End to end with the other Envoy setups: header mode + BUFFERED, track_responses off,
-and the scorer down (fail closed by default, fail open with failure_mode_allow)."""
+"""End to end with the other Envoy setups: header mode + BUFFERED, track_responses off
+(both body modes, both transports), and the scorer down (fail closed by default, fail open
+with failure_mode_allow); a streaming response surviving the scorer's shutdown."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 
 import aiohttp
 import pytest
-from e2e_helpers import Backend, closed_port, scorer_config
+from configs import make_config
+from e2e_helpers import Backend, closed_port
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -43,7 +45,7 @@ async def test_header_mode_buffered(scorer: App, backends: list[Backend]) -> Non
 
 
 async def test_track_responses_off(backends: list[Backend]) -> None:
-    app = App(scorer_config([b.endpoint for b in backends], extproc={"track_responses": False}))
+    app = App(make_config([b.endpoint for b in backends], extproc={"track_responses": False}))
     await app.start()
     try:
         cfg = render_envoy_config(0, app.extproc_port, 0, track_responses=False)
@@ -56,6 +58,38 @@ async def test_track_responses_off(backends: list[Backend]) -> None:
             stats = await asyncio.to_thread(e.stats, "http.main.ext_proc.")
             assert stats["http.main.ext_proc.streams_failed"] == 0
             assert stats["http.main.ext_proc.streams_started"] == 4
+    finally:
+        await app.stop()
+
+
+async def test_track_responses_off_both_body_modes(backends: list[Backend], transport: str) -> None:
+    cfg = make_config(
+        [b.endpoint for b in backends],
+        server={"extproc_transport": transport},
+        extproc={"track_responses": False},
+    )
+    app = App(cfg)
+    await app.start()
+    try:
+        for mode in ("FULL_DUPLEX_STREAMED", "BUFFERED"):
+            envoy_cfg = render_envoy_config(
+                0, app.extproc_port, 0, body_mode=mode, track_responses=False
+            )
+            async with EnvoyProcess(envoy_cfg) as e, aiohttp.ClientSession() as s:
+                url = f"http://127.0.0.1:{e.listener_port}/v1/completions"
+                seen = set()
+                for _ in range(6):
+                    async with s.post(url, data=BODY) as r:
+                        assert r.status == 200, await r.text()
+                        seen.add(json.loads(await r.text())["backend"])
+                assert seen == {"b0", "b1", "b2"}
+                stats = await asyncio.to_thread(e.stats, "http.main.ext_proc.")
+                assert stats.get("http.main.ext_proc.streams_failed", 0) == 0, stats
+                for k in ("streams_failed", "failure_mode_allowed", "message_timeouts"):
+                    assert stats.get(f"http.main.ext_proc.{k}", 0) == 0, (k, stats)
+                closed = stats["http.main.ext_proc.streams_closed"]
+                assert closed + stats["http.main.ext_proc.server_half_closed"] >= 6, stats
+        assert len(app.pool.inflight) == 0
     finally:
         await app.stop()
 
@@ -122,15 +156,10 @@ async def test_fail_open_default_is_overwritten_by_the_scorer(
         assert seen == {"b0", "b1", "b2"}
 
 
-@pytest.mark.parametrize("transport", ["asyncio", "grpcio"])
 async def test_streaming_response_survives_scorer_shutdown(
     backends: list[Backend], transport: str
 ) -> None:
-    server = {
-        "host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0,
-        "extproc_transport": transport,
-    }  # fmt: skip
-    app = App(scorer_config([backends[0].endpoint], server=server))
+    app = App(make_config([backends[0].endpoint], server={"extproc_transport": transport}))
     await app.start()
     stopped = False
     try:

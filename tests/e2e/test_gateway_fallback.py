@@ -13,7 +13,8 @@ import json
 
 import aiohttp
 import pytest
-from e2e_helpers import Backend, closed_port, scorer_config
+from configs import make_config
+from e2e_helpers import Backend, closed_port
 from prometheus_client import REGISTRY
 
 from kvscorer_tools.envoyrun import EnvoyProcess
@@ -35,7 +36,7 @@ async def test_override_host_serves_the_fallback_when_the_primary_is_down(
     live = backends[0]
     # round_robin over [dead, live] with one fallback: every other request has the dead
     # endpoint first and the live one as its fallback.
-    app = App(scorer_config([dead, live.endpoint], policies={"round_robin": {"fallbacks": 1}}))
+    app = App(make_config([dead, live.endpoint], policies={"round_robin": {"fallbacks": 1}}))
     await app.start()
     try:
         cfg = render_gateway_config(
@@ -75,7 +76,7 @@ async def test_original_dst_takes_exactly_one_endpoint(backends: list[Backend]) 
     an address, so a non-zero `fallbacks` makes every request fail. This is why fallbacks
     default to 0 and the docs reserve lists for override_host clusters."""
     eps = [b.endpoint for b in backends[:2]]
-    app = App(scorer_config(eps, policies={"round_robin": {"fallbacks": 1}}))
+    app = App(make_config(eps, policies={"round_robin": {"fallbacks": 1}}))
     await app.start()
     try:
         cfg = render_envoy_config(0, app.extproc_port, 0)

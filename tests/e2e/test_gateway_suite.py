@@ -21,7 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-from e2e_helpers import Backend, scorer_config, sse_events
+from configs import make_config
+from e2e_helpers import Backend, sse_events
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -63,9 +64,9 @@ def uses_tls(gateway: str) -> bool:
 async def gw(request: Any, backends: list[Backend]) -> AsyncIterator[Setup]:
     gateway, transport = request.param
     eps = [b.endpoint for b in backends]
-    server = scorer_config(eps).server.model_dump()
+    server = make_config(eps).server.model_dump()
     server.update(extproc_transport=transport, tls={"enabled": uses_tls(gateway)})
-    app = App(scorer_config(eps, server=server))
+    app = App(make_config(eps, server=server))
     await app.start()
     try:
         yaml_text = render_gateway_config(

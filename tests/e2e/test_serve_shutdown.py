@@ -37,6 +37,7 @@ async def status(stub: health_pb2_grpc.HealthStub, name: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
 
+@pytest.mark.slow
 async def test_sigterm_drains_then_exits_zero() -> None:
     env = dict(os.environ)
     env["KV_SCORER_SERVER__DRAIN_DELAY_S"] = "2"  # wide: loaded CI machines

@@ -26,9 +26,10 @@ import grpc
 import pytest
 import pytest_asyncio
 import yaml
+from configs import make_config
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
-from e2e_helpers import Backend, scorer_config
+from e2e_helpers import Backend
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tls_certs import Ca, Pem
 
@@ -62,7 +63,7 @@ async def app_factory() -> AsyncIterator[Callable[..., Awaitable[App]]]:
     started: list[App] = []
 
     async def make(transport: str, tls: dict[str, Any], workers: list[str] | None = None) -> App:
-        cfg = scorer_config(
+        cfg = make_config(
             workers or ["127.0.0.1:7001"],
             server={
                 "host": "127.0.0.1",
@@ -272,7 +273,7 @@ async def test_bad_tls_config_stops_start_up_naming_the_field(tmp_path: Path, ca
     ]
     for tls, field in cases:
         with pytest.raises(ConfigError) as ei:
-            App(scorer_config(["127.0.0.1:7001"], server={"tls": {"enabled": True, **tls}}))
+            App(make_config(["127.0.0.1:7001"], server={"tls": {"enabled": True, **tls}}))
         assert field in str(ei.value), (tls, str(ei.value))
 
 

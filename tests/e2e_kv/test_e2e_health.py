@@ -1,6 +1,6 @@
 """Dead workers through a real Envoy: ejected on evidence, the others serve, readmitted.
 
-Two simulated vLLM workers (scorer.sim, in process: HTTP API, prefix cache, vLLM-format
+Two simulated vLLM workers (kvscorer_tools.sim, in process: HTTP API, prefix cache, vLLM-format
 KV events over ZMQ, vLLM metrics) and a third pool entry whose port is closed (a worker
 that died before the scorer started: no events, no metrics, only failed requests reveal
 it). The scorer runs in process with the `kv` policy; Envoy in front is envoy/envoy.yaml

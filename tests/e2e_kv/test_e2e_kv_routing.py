@@ -26,12 +26,12 @@ import pytest
 import pytest_asyncio
 import xxhash
 from aiohttp import web
+from configs import make_config
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from kvscorer_tools.sim.kvevents import KVEventPublisher, block_stored
 from scorer.app import App
 from scorer.blocks import BlockHasher
-from scorer.config import load_config
 from scorer.envoyproc import render_envoy_config
 from scorer.tokens.service import Tokenization
 
@@ -114,9 +114,7 @@ class Stack:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack() -> AsyncIterator[Stack]:
-    base = load_config(
-        overrides={"tokens": {"models": {MODEL: {"tokenizer": str(TOKENIZER)}}}}, environ={}
-    )
+    base = make_config(tokens={"models": {MODEL: {"tokenizer": str(TOKENIZER)}}})
     engine_tokens = Tokenization(base, BlockHasher(BLOCK))
     workers: list[SimWorker] = []
     app: App | None = None
@@ -134,33 +132,24 @@ async def stack() -> AsyncIterator[Stack]:
             site = web.TCPSite(w.runner, "127.0.0.1", 0)
             await site.start()
             w.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        config: dict[str, Any] = {
-            "server": {
-                "host": "127.0.0.1",
-                "extproc_port": 0,
-                "health_port": 0,
-                "admin_port": 0,
-                "grace_period_s": 0.5,
-            },
-            "pool": {
-                "block_size": BLOCK,
-                "workers": [
-                    {
-                        "endpoint": w.endpoint,
-                        "events": {"endpoint": w.publisher.bound_endpoint, "mode": "connect"},
-                        "metrics_url": f"http://{w.endpoint}/metrics",
-                    }
-                    for w in workers
-                ],
-            },
-            "tokens": {"models": {MODEL: {"tokenizer": str(TOKENIZER)}}},
-            "index": {"speculative_ttl_s": 0},
-            "load": {"scrape_interval_s": 0.05, "stale_after_s": 1.0},
-            "extproc": {"decision_headers": True},
-            "policy": "kv",
-            "policies": {"kv": {"credit_decay": 0}},
-        }
-        app = App(load_config(overrides=config, environ={}))
+        config = make_config(
+            [
+                {
+                    "endpoint": w.endpoint,
+                    "events": {"endpoint": w.publisher.bound_endpoint, "mode": "connect"},
+                    "metrics_url": f"http://{w.endpoint}/metrics",
+                }
+                for w in workers
+            ],
+            pool={"block_size": BLOCK},
+            tokens={"models": {MODEL: {"tokenizer": str(TOKENIZER)}}},
+            index={"speculative_ttl_s": 0},
+            load={"scrape_interval_s": 0.05, "stale_after_s": 1.0},
+            extproc={"decision_headers": True},
+            policy="kv",
+            policies={"kv": {"credit_decay": 0}},
+        )
+        app = App(config)
         await app.start()
         events = app.events
         for _ in range(200):  # subscribers connected (ZMQ slow joiner)

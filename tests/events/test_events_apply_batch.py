@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypo import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,6 +67,7 @@ def _state(idx: BlockIndex) -> Any:
     )
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(200))
 @given(st.lists(_op, max_size=14))
 def test_batch_equals_one_by_one(ops: list[tuple[Any, ...]]) -> None:

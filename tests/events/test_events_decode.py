@@ -166,6 +166,7 @@ def _check(frames: list[bytes]) -> None:
     ap.apply("w", msg.batch)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(150))
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
 def test_fuzz_random_frames(frames: list[bytes]) -> None:
@@ -178,6 +179,7 @@ def test_fuzz_random_frames(frames: list[bytes]) -> None:
     st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
     st.integers(0, 10_000),
 )
+@pytest.mark.slow
 def test_fuzz_mutated_frames(i: int, flips: list[tuple[int, int]], cut: int) -> None:
     topic, seq, payload = _GOOD[i]
     p = bytearray(payload)
@@ -208,6 +210,7 @@ _event = st.one_of(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(150))
 @given(st.floats(allow_nan=False) | _any, st.lists(_event, max_size=4), _any)
 def test_fuzz_structured_batches(ts: Any, events: list[Any], rank: Any) -> None:
@@ -265,6 +268,7 @@ def test_fast_path_falls_back_on_odd_shapes() -> None:
     assert got == EventBatch(2.0, [BlockRemoved([-5]), AllBlocksCleared()], 1)
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(200))
 @given(st.floats(allow_nan=False) | _any, st.lists(_event, max_size=4), _any)
 def test_fuzz_fast_path_agrees(ts: Any, events: list[Any], rank: Any) -> None:
@@ -306,5 +310,6 @@ def _named(fields: tuple[Any, ...]) -> dict[str, Any]:
     ),
     st.none() | st.integers(0, 3),
 )
+@pytest.mark.slow
 def test_fuzz_valid_batches_agree(events: list[Any], rank: int | None) -> None:
     _same_as_generic(msgspec.msgpack.encode([1.5, events, rank]))

@@ -14,10 +14,10 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from configs import make_config
 from kvev_publisher import Publisher, cleared, removed, stored
 
 from scorer.blocks import BlockHasher, namespace_key
-from scorer.config import Config
 from scorer.events import EventIngest
 from scorer.events.cli import listen
 from scorer.index import BlockIndex
@@ -61,12 +61,11 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 def make_ingest(workers: list[dict[str, Any]], **index: Any) -> EventIngest:
-    cfg = Config.model_validate(
-        {
-            "pool": {"workers": workers, "block_size": BS},
-            "events": {"replay_timeout_s": 0.5, "reconnect_interval_s": 0.05},
-            "index": index,
-        }
+    cfg = make_config(
+        workers,
+        pool={"block_size": BS},
+        events={"replay_timeout_s": 0.5, "reconnect_interval_s": 0.05},
+        index=index,
     )
     pool = Pool.from_config(cfg)
     return EventIngest(cfg, pool, BlockIndex(cfg.index), HASHER)

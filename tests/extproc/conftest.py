@@ -1,10 +1,15 @@
-"""Fixtures for the ext_proc contract tests: a real App on loopback ports + a real channel."""
+"""The ext_proc suites' fixture: a real App on loopback ports + a real gRPC channel."""
 
 from __future__ import annotations
 
-import pytest
-from extproc_helpers import harness_fixture
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-# `h = await harness(**config_overrides)` on the configured default transport;
-# test_extproc_transport overrides it with grpcio to re-run the suites there.
-harness = pytest.fixture(harness_fixture(), name="harness")
+import pytest
+from extproc_helpers import Harness, harnesses
+
+
+@pytest.fixture
+async def harness(transport: str) -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    """`h = await harness(**config_sections)`; once per transport (tests/conftest.py)."""
+    async with harnesses(transport) as make:
+        yield make

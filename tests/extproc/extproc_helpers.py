@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from configs import make_config
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -13,24 +15,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
 from scorer.app import App
-from scorer.config import load_config
 
 WORKERS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.2:7003"]
 PM = processing_mode_pb2.ProcessingMode
-
-
-def make_config(**over: Any) -> Any:
-    base: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "extproc_port": 0, "health_port": 0, "admin_port": 0},
-        "pool": {"workers": list(WORKERS)},
-        "policy": "round_robin",
-    }
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            base[k] = {**base[k], **v}
-        else:
-            base[k] = v
-    return load_config(overrides=base, environ={})
 
 
 def headers_msg(
@@ -104,32 +91,26 @@ class Harness:
         return self.stub.Process()
 
 
-def harness_fixture(transport: str | None = None) -> Any:
-    """An async fixture: `h = await harness(**config_overrides)`, every App stopped after.
+@contextlib.asynccontextmanager
+async def harnesses(transport: str) -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    """`make(**config_sections)` starts an App on `transport` over WORKERS (round robin
+    unless a policy is given) with a channel to its ext_proc port; every App is stopped
+    when the block ends."""
+    started: list[tuple[App, grpc.aio.Channel]] = []
 
-    `transport` forces `server.extproc_transport`; None keeps the configured default.
-    """
+    async def make(**over: Any) -> Harness:
+        over["server"] = {"extproc_transport": transport, **over.get("server", {})}
+        app = App(make_config(WORKERS, **over))
+        await app.start()
+        assert (app.extproc_h2 is not None) == (transport == "asyncio")
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
+        started.append((app, ch))
+        return Harness(app, ch)
 
-    async def fixture() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
-        started: list[tuple[App, grpc.aio.Channel]] = []
-
-        async def make(**over: Any) -> Harness:
-            if transport is not None:
-                over["server"] = {"extproc_transport": transport, **over.get("server", {})}
-            app = App(make_config(**over))
-            await app.start()
-            if transport is not None:
-                assert (app.extproc_h2 is not None) == (transport == "asyncio")
-            ch = grpc.aio.insecure_channel(f"127.0.0.1:{app.extproc_port}")
-            started.append((app, ch))
-            return Harness(app, ch)
-
-        try:
-            yield make
-        finally:
-            for app, ch in started:
-                await ch.close()
-                app.config.server.grace_period_s = 0.5
-                await app.stop()
-
-    return fixture
+    try:
+        yield make
+    finally:
+        for app, ch in started:
+            await ch.close()
+            app.config.server.grace_period_s = 0.5
+            await app.stop()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import grpc
 import pytest
-from extproc_helpers import harness_fixture, make_config
+from configs import make_config
+from extproc_helpers import WORKERS, Harness, harnesses
 
 from scorer.api import auth
 from scorer.api.auth import BearerToken
@@ -17,8 +19,12 @@ from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
 from scorer.app import App
 from scorer.config import ConfigError
 
-harness_asyncio = pytest.fixture(harness_fixture("asyncio"), name="harness_asyncio")
-harness_grpcio = pytest.fixture(harness_fixture("grpcio"), name="harness_grpcio")
+
+@pytest.fixture
+async def harness_asyncio() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    """The harness on the asyncio transport only (the admin checks need one transport)."""
+    async with harnesses("asyncio") as make:
+        yield make
 
 
 async def _get(port: int, path: str, token: str | None = None) -> int:
@@ -41,14 +47,10 @@ async def _score(h: Any, token: str | None) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize("transport", ["asyncio", "grpcio"])
-async def test_token_guards_metrics_debug_and_score(
-    transport: str, harness_asyncio: Any, harness_grpcio: Any, tmp_path: Path
-) -> None:
+async def test_token_guards_metrics_debug_and_score(harness: Any, tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")  # a mounted Secret may end with a newline
-    make = harness_asyncio if transport == "asyncio" else harness_grpcio
-    h = await make(server={"auth_token_file": str(token_file)})
+    h = await harness(server={"auth_token_file": str(token_file)})
     port = h.app.admin_port
     for path in ("/metrics", "/debug/decisions", "/debug/pool", "/debug/index"):
         assert await _get(port, path) == 401, path
@@ -100,7 +102,7 @@ def test_token_file_is_reread_when_it_changes(tmp_path: Path) -> None:
 
 def test_missing_or_empty_token_file_stops_start_up(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"server\.auth_token_file"):
-        App(make_config(server={"auth_token_file": str(tmp_path / "absent")}))
+        App(make_config(WORKERS, server={"auth_token_file": str(tmp_path / "absent")}))
     (tmp_path / "empty").write_text("  \n")
     with pytest.raises(ConfigError, match=r"server\.auth_token_file"):
-        App(make_config(server={"auth_token_file": str(tmp_path / "empty")}))
+        App(make_config(WORKERS, server={"auth_token_file": str(tmp_path / "empty")}))

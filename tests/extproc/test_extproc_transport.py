@@ -1,8 +1,8 @@
 """The asyncio HTTP/2 transport (`server.extproc_transport: asyncio`).
 
-1. conftest's `harness` runs the contract and API suites on the default transport
-   (asyncio); the `harness` override below runs them all again on `grpcio`, so both
-   transports stay tested. The asyncio-specific tests use `h2harness`.
+1. The contract and API suites run on both transports through the parametrized
+   `transport` fixture (tests/conftest.py); the asyncio-specific tests here use
+   `h2harness`.
 2. Transport behaviour a gRPC client relies on: many concurrent streams, 8 MB bodies both
    ways (flow control against grpcio's small windows), status codes and percent-encoded
    messages, cancellation, unknown methods, size limits, graceful stop.
@@ -24,14 +24,13 @@ import pytest
 from extproc_helpers import (
     PM,
     WORKERS,
+    Harness,
     body_msg,
-    harness_fixture,
+    harnesses,
     headers_msg,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hpack import Encoder
-from test_api_surfaces import *  # noqa: F403  (re-run the API suite on grpcio)
-from test_extproc_contract import *  # noqa: F403  (re-run the contract on grpcio)
 from test_extproc_contract import completion, read
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
@@ -43,9 +42,11 @@ from scorer.extproc.transport import limits as L
 EOF_ = grpc.aio.EOF
 
 
-# Overrides conftest's `harness` for every test in this module, the imported ones too.
-harness = pytest.fixture(harness_fixture("grpcio"), name="harness")
-h2harness = pytest.fixture(harness_fixture("asyncio"), name="h2harness")
+@pytest.fixture
+async def h2harness() -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    """The harness on the asyncio transport only (what this module tests)."""
+    async with harnesses("asyncio") as make:
+        yield make
 
 
 # ---------------------------------------------------------------- through the App

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 from h2_reference import Raw, goaway_code
@@ -153,6 +154,7 @@ async def test_ping_and_settings_floods_get_goaway(server: Any) -> None:
     await normal_call(port)
 
 
+@pytest.mark.slow
 async def test_ping_answers_to_a_peer_that_does_not_read_stay_bounded(server: Any) -> None:
     """Pings echoed to a client that reads nothing: once the socket's write buffer is
     full the server stops reading that connection, so its answers cannot pile up (the
@@ -208,6 +210,7 @@ async def test_unread_data_is_bounded_by_withheld_credit(server: Any) -> None:
     await normal_call(port)
 
 
+@pytest.mark.slow
 async def test_messages_over_the_stream_window_complete(server: Any) -> None:
     """A 40 MiB message (over the 16 MiB stream and connection windows): credit returns as
     its bytes arrive, so it completes (it never could before)."""
@@ -297,6 +300,7 @@ async def test_empty_continuation_flood(server: Any) -> None:
     await normal_call(port)
 
 
+@pytest.mark.slow
 async def test_hpack_decoding_has_a_byte_budget(server: Any) -> None:
     """Blocks that miss the cache (each changes the dynamic table) cost their size; past
     the budget: GOAWAY(ENHANCE_YOUR_CALM). Envoy's repeated block hits the cache."""

@@ -68,6 +68,7 @@ def _model(
 @example(  # the same with the CPU rank's slot first
     holds=[("a", 1, "CPU", {0}), ("a", 0, "GPU", {0})], spec={}, plen=1, endpoints=None
 )
+@pytest.mark.slow
 def test_match_equals_the_model(
     holds: list[tuple[str, int, str, set[int]]],
     spec: dict[str, int],

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from configs import make_config
 from fake_kube import POOLS, FakeKubeAPI, inference_pool, kubeconfig, pod
 from k8s_helpers import ManualClock, until, until_advancing
 
 from scorer.blocks import BlockHasher
-from scorer.config import Config, DiscoveryConfig
+from scorer.config import DiscoveryConfig
 from scorer.director import Director
 from scorer.events import EventIngest
 from scorer.index import BlockIndex
@@ -43,7 +44,7 @@ class Harness:
         cfg.setdefault("pool_namespace", NS)
         if "endpoint_selector" not in cfg:
             cfg.setdefault("pool_name", "vllm")
-        self.config = Config.model_validate({"pool": {"discovery": cfg}, "policy": "round_robin"})
+        self.config = make_config(pool={"discovery": cfg})
         self.pool = Pool.from_config(self.config)
         self.clock = ManualClock()
         self.changes: list[tuple[str, str, str]] = []
@@ -168,6 +169,7 @@ async def test_rolling_restart_new_ips_and_deleting_pods_leave_first(
     assert reasons == ["deleting"] * 3
 
 
+@pytest.mark.slow
 async def test_ip_reused_by_another_pod_is_a_new_worker_purged_first(
     api: FakeKubeAPI, harness: Harness
 ) -> None:
@@ -241,6 +243,7 @@ async def test_pod_not_ready_under_load_gets_no_new_request(
     await harness.wait_for(eps)
 
 
+@pytest.mark.slow
 async def test_selector_change_relists_pods(api: FakeKubeAPI, harness: Harness) -> None:
     api.put(POOLS, inference_pool("vllm", {"app": "vllm"}, [8000]))
     blue = scale(api, 2, base=10, prefix="blue")
@@ -268,6 +271,7 @@ async def test_selector_change_relists_pods(api: FakeKubeAPI, harness: Harness) 
     assert harness.changes[-1][2] == "pool_deleted"
 
 
+@pytest.mark.slow
 async def test_api_server_restart_resumes_from_resource_version(
     api: FakeKubeAPI, harness: Harness
 ) -> None:

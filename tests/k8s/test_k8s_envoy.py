@@ -358,11 +358,15 @@ async def test_no_request_leaves_the_ready_pods_of_the_pool(world: World) -> Non
             with contextlib.suppress(Exception):
                 await t
     assert results and all(s == 200 for s, _, _ in results), {s for s, _, _ in results if s != 200}
-    # Each request was answered by the pod kv-scorer picked (no override_host fallback).
-    picks = {rid: pick for _, rid, pick, _ in w.decisions}
+    # Each request whose pick was Ready was answered by that pod (no override_host
+    # fallback: the pick was in the gateway's endpoints too). A pick inside a NotReady's
+    # propagation window may find the gateway's EDS already without it; Istio's fallback
+    # then serves it on another (Ready, alive: 200) pod, which is the right outcome.
+    picks = {rid: (pick, ready) for _, rid, pick, ready in w.decisions}
     served = {rid: f"{p}:{w.port}" for _, rid, p in results}
-    mismatched = [(rid, picks.get(rid), s) for rid, s in served.items() if picks.get(rid) != s]
-    assert mismatched == []
+    assert set(served) <= set(picks)
+    mismatched = [(rid, picks[rid], s) for rid, s in served.items() if picks[rid] != (s, True)]
+    assert all(not ready for _, (_, ready), _ in mismatched), mismatched
     # Every pick was a Ready pod by the API's word, or inside its NotReady's propagation
     # window to kv-scorer (API said so, kv-scorer's watch had not yet delivered it).
     stale = [(t, pick) for t, _, pick, ready in w.decisions if not ready]
@@ -370,7 +374,8 @@ async def test_no_request_leaves_the_ready_pods_of_the_pool(world: World) -> Non
         assert w.api_unready_at[pick] <= t <= w.scorer_removed_at[pick], (t, pick)
     windows = [w.scorer_removed_at[e] - w.api_unready_at[e] for e in w.api_unready_at]
     print(
-        f"requests={len(results)} stale_picks={len(stale)} max_window_ms={max(windows) * 1000:.1f}"
+        f"requests={len(results)} stale_picks={len(stale)} served_elsewhere={len(mismatched)} "
+        f"max_window_ms={max(windows) * 1000:.1f}"
     )
     assert max(windows) < 5.0
     used = {s for s in served.values()}

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
+from configs import make_config
 from k8s_helpers import until
 
 from kvscorer_tools.sim.kvevents import KVEventPublisher, block_stored, encode_batch
 from scorer.blocks import BlockHasher
-from scorer.config import Config, EventsEndpointConfig, WorkerConfig
+from scorer.config import EventsEndpointConfig, WorkerConfig
 from scorer.events import EventIngest
 from scorer.events.pool_socket import PoolEventSocket, topic_endpoint
 from scorer.index import BlockIndex
@@ -46,11 +47,10 @@ class Rig:
 
 @pytest_asyncio.fixture
 async def rig() -> AsyncIterator[Rig]:
-    config = Config.model_validate(
-        {
-            "pool": {"workers": ["10.0.0.1:8000"], "block_size": BS},
-            "events": {"bind": "tcp://127.0.0.1:0", "unknown_topic_hold_s": 5.0},
-        }
+    config = make_config(
+        ["10.0.0.1:8000"],
+        pool={"block_size": BS},
+        events={"bind": "tcp://127.0.0.1:0", "unknown_topic_hold_s": 5.0},
     )
     pool = Pool.from_config(config)
     index = BlockIndex()
@@ -195,7 +195,7 @@ async def test_restarted_engine_seq_going_back_purges(rig: Rig) -> None:
 
 
 def test_bad_bind_address_names_the_field() -> None:
-    config = Config.model_validate({"events": {"bind": "tcp://256.0.0.1:1"}})
+    config = make_config(events={"bind": "tcp://256.0.0.1:1"})
     pool = Pool.from_config(config)
     sock = PoolEventSocket(config, pool, EventIngest(config, pool, BlockIndex(), BlockHasher(BS)))
     with pytest.raises(RuntimeError, match=r"events\.bind"):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import pytest
 from fake_kube import POOLS, FakeKubeAPI, inference_pool, kubeconfig, pod
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from k8s_helpers import until
@@ -24,6 +25,7 @@ async def _status(stub: health_pb2_grpc.HealthStub, name: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
 
+@pytest.mark.slow
 async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
     api = FakeKubeAPI()
     await api.start()
@@ -91,6 +93,7 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
         await api.stop()
 
 
+@pytest.mark.slow
 async def test_bad_discovery_flags_stop_start_up_naming_the_field() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "scorer.cli", "serve", "--endpoint-selector", "app=vllm",

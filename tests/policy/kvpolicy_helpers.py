@@ -7,6 +7,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from configs import make_config
+
 from scorer.config import Config
 from scorer.index import BlockIndex
 from scorer.policy.base import Policy, PolicyContext, build_policy
@@ -53,9 +55,7 @@ def make(
         workers.append(w)
     pol = dict(policies or {})
     pol[policy] = options or {}
-    cfg = Config.model_validate(
-        {"pool": {"workers": workers, "block_size": BLOCK}, "policies": pol, **config}
-    )
+    cfg = make_config(workers, pool={"block_size": BLOCK}, policies=pol, **config)
     pool = Pool.from_config(cfg)
     index = BlockIndex(cfg.index)
     ctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(seed), parts=Parts(index=index))

@@ -44,6 +44,7 @@ options_st = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(60))
 @given(workers=st.lists(worker_st, min_size=1, max_size=6), options=options_st)
 def test_decide_rows_equal_the_reference_functions(

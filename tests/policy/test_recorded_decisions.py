@@ -25,6 +25,7 @@ def _recorder() -> ModuleType:
     return mod
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["kv", "approx", "session", "least_loaded", "round_robin"])
 def test_reduced_set_decides_as_recorded(policy: str) -> None:
     rec = _recorder()

@@ -18,9 +18,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from configs import make_config
 
 from scorer.blocks import BlockHasher
-from scorer.config import Config, load_config
+from scorer.config import Config
 from scorer.events.ingest import EventIngest
 from scorer.index import BlockIndex
 from scorer.pool.health import EJECTIONS, EVIDENCE, HealthMonitor, describe
@@ -50,15 +51,12 @@ async def listening(port: int) -> AsyncIterator[asyncio.Server]:
 
 
 def _config(workers: list[Any], **over: Any) -> Config:
-    data: dict[str, Any] = {
-        "pool": {
-            "workers": workers,
-            "health": {"probe_interval_s": 0.05, "probe_max_interval_s": 0.2},
-        },
+    sections: dict[str, Any] = {
+        "pool": {"health": {"probe_interval_s": 0.05, "probe_max_interval_s": 0.2}},
         "load": {"scrape_timeout_s": 0.2},
+        **over,
     }
-    data.update(over)
-    return load_config(overrides=data, environ={})
+    return make_config(workers, **sections)
 
 
 def _count(counter: Any, *labels: str) -> float:

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 from aiohttp import web
+from configs import make_config
 from prometheus_client import REGISTRY
 
-from scorer.config import Config
 from scorer.pool.scrape import LoadScraper, fresh_scrape, parse_metrics
 from scorer.pool.workers import Pool
 
@@ -131,11 +131,10 @@ def make_scraper(
         workers.append(
             {"endpoint": "127.0.0.1:8099", "metrics_url": f"http://127.0.0.1:{dead_port}/metrics"}
         )
-    cfg = Config.model_validate(
-        {
-            "pool": {"workers": workers, "block_size": 16},
-            "load": {"scrape_interval_s": 0.05, "scrape_timeout_s": 0.3, **load},
-        }
+    cfg = make_config(
+        workers,
+        pool={"block_size": 16},
+        load={"scrape_interval_s": 0.05, "scrape_timeout_s": 0.3, **load},
     )
     pool = Pool.from_config(cfg)
     return LoadScraper(cfg, pool), pool
@@ -221,9 +220,18 @@ async def test_failing_and_stale_scrapes_are_visible_not_saturating(
         assert w0.scraped.waiting == 50
         engines[0].mode = "error"
         engines[1].mode = "garbage"
-        await asyncio.sleep(0.5)  # several rounds, and > stale_after_s since the good one
-        view = {v["endpoint"]: v for v in scraper.view()}
-        v0 = view[w0.endpoint]["scrape"]
+        # Wait (bounded, no fixed sleep) for several failed rounds and > stale_after_s
+        # since the good one.
+        for _ in range(250):
+            view = {v["endpoint"]: v for v in scraper.view()}
+            v0 = view[w0.endpoint]["scrape"]
+            rounds = v0["consecutive_failures"] >= 3 and v0["age_s"] > 0.3
+            # The gauges are set by a scrape round: wait for one after the data went stale.
+            stale = gauge("kv_scorer_scrape_stale", w0.endpoint) == 1
+            others = view[w1.endpoint]["scrape"]["error"] and view[dead.endpoint]["scrape"]["error"]
+            if rounds and stale and others:
+                break
+            await asyncio.sleep(0.02)
         assert v0["fresh"] is False and v0["error"] == "HTTP 500"
         assert v0["consecutive_failures"] >= 3 and v0["age_s"] > 0.3
         assert view[w1.endpoint]["scrape"]["error"].startswith("bad metrics page")

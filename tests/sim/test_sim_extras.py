@@ -7,6 +7,7 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -46,6 +47,7 @@ async def test_connect_mode_publisher_reaches_a_bound_subscriber() -> None:
         ctx.destroy(linger=0)
 
 
+@pytest.mark.slow
 def test_real_tokenizer_matches_apply_chat_template() -> None:
     tok = HFTokenizer(QWEN3)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
@@ -65,6 +67,7 @@ def test_synthetic_tokenizer_is_deterministic_and_prefix_stable() -> None:
     assert all(1000 <= t < 32000 for t in a.encode("x y z"))
 
 
+@pytest.mark.slow
 async def test_worker_with_real_tokenizer() -> None:
     cfg = SimConfig(port=0, speed=100.0, tokenizer=str(QWEN3))
     async with running_workers([cfg]) as (w,), aiohttp.ClientSession() as s:

@@ -190,6 +190,7 @@ async def test_several_workers_in_one_process() -> None:
         assert m["vllm:prefix_cache_queries_total"][0][0]["model_name"] == "w1"
 
 
+@pytest.mark.slow
 def test_cli_prints_endpoints_and_stops_on_sigterm() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -213,6 +214,7 @@ def test_cli_prints_endpoints_and_stops_on_sigterm() -> None:
             proc.wait()
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_flags() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "scorer.cli", "sim", "--block-size", "0"],

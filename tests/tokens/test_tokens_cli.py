@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tokens_helpers import QWEN3, hf
 
 
@@ -20,6 +21,7 @@ def _run(args: list[str], stdin: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_chat_and_completion_and_errors(tmp_path: Path) -> None:
     msgs = [{"role": "user", "content": "How many tokens is this?"}]
     body = {"model": "whatever", "messages": msgs}

@@ -21,6 +21,10 @@ from tokens_helpers import HEADERS, QWEN3, SNIPPETS, TOOLS, hf, make_tokens, ran
 
 from scorer.tokens import Tokenization, load_tokenizer, render_chat
 
+# Parity against transformers' apply_chat_template: seconds per test (imports and
+# renders with transformers); make test runs it, make test-quick does not.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def tokens() -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hypo import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ PIECES = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=scaled(400))
 @given(st.lists(PIECES, max_size=16))
 def test_segmentwise_equals_whole(pieces: list[str]) -> None:

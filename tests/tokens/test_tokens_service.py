@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from configs import make_config
 from tokens_helpers import HEADERS, QWEN3, hf, local, make_tokens
 
 from scorer.blocks import BlockHasher, namespace_key
-from scorer.config import Config, ConfigError, PoolConfig, TokenizerModelConfig, TokensConfig
+from scorer.config import ConfigError
 from scorer.routing import RoutingRequest
 from scorer.tokens import Tokenization, TokenizeError
 from scorer.tokens.chat import content_format, normalize_messages, normalize_tools
@@ -179,6 +180,7 @@ def test_message_and_tool_normalization() -> None:
     assert list(tools[0]["function"]) == ["name", "description", "parameters", "strict"]
 
 
+@pytest.mark.slow
 async def test_huge_prompt_does_not_stall_a_tiny_one() -> None:
     t = make_tokens({"qwen3": QWEN3}, threads=2, segment_cache_bytes=0)
     try:
@@ -212,6 +214,7 @@ async def test_huge_prompt_does_not_stall_a_tiny_one() -> None:
         t.close()
 
 
+@pytest.mark.slow
 def test_registry_paths_and_hf_cache_layout(tmp_path: Path) -> None:
     # A tokenizer.json file; a directory; the HF hub cache layout.
     f, cfg = resolve_tokenizer_files(QWEN3 / "tokenizer.json")
@@ -241,50 +244,35 @@ def test_registry_paths_and_hf_cache_layout(tmp_path: Path) -> None:
         t.close()
 
 
+@pytest.mark.slow
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     def build(**kw: Any) -> Tokenization:
-        return Tokenization(Config(**kw), BlockHasher(16))
+        return Tokenization(make_config(**kw), BlockHasher(16))
 
     with pytest.raises(ConfigError, match=r"tokens\.models\.m\.tokenizer: .*no such file"):
-        build(
-            tokens=TokensConfig(models={"m": TokenizerModelConfig(tokenizer=str(tmp_path / "x"))})
-        )
+        build(tokens={"models": {"m": {"tokenizer": str(tmp_path / "x")}}})
     with pytest.raises(ConfigError, match=r"tokens\.models\.m\.chat_template"):
-        build(
-            tokens=TokensConfig(
-                models={"m": TokenizerModelConfig(tokenizer=str(QWEN3), chat_template="/nope.j2")}
-            )
-        )
+        build(tokens={"models": {"m": {"tokenizer": str(QWEN3), "chat_template": "/nope.j2"}}})
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"tokens\.models\.m\.tokenizer: .*cannot load"):
-        build(
-            tokens=TokensConfig(
-                models={"m": TokenizerModelConfig(tokenizer=str(tmp_path / "broken"))}
-            )
-        )
+        build(tokens={"models": {"m": {"tokenizer": str(tmp_path / "broken")}}})
     with pytest.raises(ConfigError, match=r"tokens\.models: no tokenizer for model 'other'"):
         build(
-            pool=PoolConfig(models=["qwen3", "other"]),
-            tokens=TokensConfig(
-                models={"qwen3": TokenizerModelConfig(tokenizer=str(QWEN3))}, on_missing="error"
-            ),
+            pool={"models": ["qwen3", "other"]},
+            tokens={"models": {"qwen3": {"tokenizer": str(QWEN3)}}, "on_missing": "error"},
         )
     # on_missing="load": the same configuration starts; the model routes by load.
     t = build(
-        pool=PoolConfig(models=["qwen3", "other"]),
-        tokens=TokensConfig(models={"qwen3": TokenizerModelConfig(tokenizer=str(QWEN3))}),
+        pool={"models": ["qwen3", "other"]},
+        tokens={"models": {"qwen3": {"tokenizer": str(QWEN3)}}},
     )
     assert t.tokenizer_for("other") is None and t.tokenizer_for("qwen3") is not None
     t.close()
     # A chat_template file from the configuration overrides the tokenizer's.
     tpl = tmp_path / "t.jinja"
     tpl.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
-    t = build(
-        tokens=TokensConfig(
-            models={"m": TokenizerModelConfig(tokenizer=str(HEADERS), chat_template=str(tpl))}
-        )
-    )
+    t = build(tokens={"models": {"m": {"tokenizer": str(HEADERS), "chat_template": str(tpl)}}})
     assert t.render("m", {"messages": [{"role": "user", "content": "x"}]}) == "<user>x"
     t.close()
 
@@ -333,6 +321,7 @@ def test_truncate_prompt_tokens_keeps_the_tail(tokens: Tokenization) -> None:
         tokens.tokenize_body("qwen3", {**body, "truncate_prompt_tokens": "x"})
 
 
+@pytest.mark.slow
 def test_named_templates_from_tokenizer_config(tmp_path: Path) -> None:
     import json
 

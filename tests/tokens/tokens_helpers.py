@@ -7,8 +7,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from configs import make_config
+
 from scorer.blocks import BlockHasher
-from scorer.config import Config, TokenizerModelConfig, TokensConfig
 from scorer.tokens import LocalTokenizer, Tokenization, load_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "tokenizers"
@@ -37,11 +38,8 @@ def make_tokens(
 ) -> Tokenization:
     """A Tokenization over the fixtures ({"qwen3": QWEN3, "headers": HEADERS} by default)."""
     models = models if models is not None else {"qwen3": QWEN3, "headers": HEADERS}
-    cfg = Config(
-        tokens=TokensConfig(
-            models={m: TokenizerModelConfig(tokenizer=str(p)) for m, p in models.items()},
-            **tokens,
-        )
+    cfg = make_config(
+        tokens={"models": {m: {"tokenizer": str(p)} for m, p in models.items()}, **tokens}
     )
     return Tokenization(cfg, BlockHasher(block_size))
 

@@ -33,9 +33,23 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
+# Set by kv-scorer's test suite while a test not marked `envoy` runs (tests/conftest.py):
+# starting Envoy then fails, in this process and in child processes (the demo), so a
+# forgotten marker cannot let `make test-quick` start Envoy.
+FORBID_ENVOY_ENV = "KVSCORER_TOOLS_FORBID_ENVOY"
+
 
 class EnvoyError(RuntimeError):
     """Envoy could not be found, did not start, or rejected its config."""
+
+
+def _check_allowed() -> None:
+    test = os.environ.get(FORBID_ENVOY_ENV)
+    if test:
+        raise EnvoyError(
+            f"{test} starts Envoy but is not marked `envoy`: use an Envoy fixture "
+            "(tests/conftest.py marks its users) or add @pytest.mark.envoy"
+        )
 
 
 def find_envoy() -> Path:
@@ -122,6 +136,7 @@ class EnvoyProcess:
 
     def start(self) -> EnvoyProcess:
         """Start Envoy and wait until it is LIVE with its listeners bound."""
+        _check_allowed()
         binary = self.binary or find_envoy()
         self._dir = tempfile.TemporaryDirectory(prefix="kv-scorer-envoy-")
         d = Path(self._dir.name)
@@ -232,6 +247,7 @@ class EnvoyProcess:
 
 def validate_config(path: str | Path) -> subprocess.CompletedProcess[str]:
     """`envoy --mode validate -c PATH` (exit 0 when the config is valid)."""
+    _check_allowed()
     return subprocess.run(
         [str(find_envoy()), "--mode", "validate", "-c", str(path), "-l", "error"],
         capture_output=True,

@@ -1,0 +1,70 @@
+"""How long a prompt takes to prefill, fitted from what the data path observes.
+
+The router counts a request as prefilling until the engine says prefill is over. For a
+stream whose response body reaches us that is the first body chunk (the first token;
+vLLM sends a stream's headers before prefill ends, so headers are too early). A
+non-streaming request says nothing until its whole generation is done (vLLM sends its
+headers at the end), and a stream whose body Envoy does not send us has only its early
+headers: for those the prefill end is estimated with this model.
+
+    seconds = a + b x uncached prompt tokens
+
+fitted by least squares over the last observations (routed → first body chunk of
+streams, with the uncached tokens the decision predicted), with exponential forgetting so
+it follows the fleet's current speed. Until `min_samples` observations exist, the
+defaults hold (a = 20 ms, b = 0.1 ms per token: a GPU-class prefill rate of ~10k
+tokens/s; conservative for CPU engines, which the fit then corrects). Estimates are
+clamped to [min_s, max_s].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PrefillModel:
+    """Online least-squares fit of prefill seconds against uncached prompt tokens."""
+
+    a: float = 0.02  # seconds of fixed cost (scheduling, first step)
+    b: float = 1e-4  # seconds per uncached prompt token
+    decay: float = 0.98  # weight kept by older observations at each new one
+    min_samples: int = 8
+    min_s: float = 0.001
+    max_s: float = 60.0
+    # Exponentially weighted sums for the fit.
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+    samples: int = 0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        """One prefill: `tokens` uncached prompt tokens took `seconds` to the first token."""
+        if seconds <= 0.0 or tokens < 0.0 or seconds > self.max_s:
+            return
+        d = self.decay
+        self._n = self._n * d + 1.0
+        self._sx = self._sx * d + tokens
+        self._sy = self._sy * d + seconds
+        self._sxx = self._sxx * d + tokens * tokens
+        self._sxy = self._sxy * d + tokens * seconds
+        self.samples += 1
+        if self.samples < self.min_samples:
+            return
+        den = self._n * self._sxx - self._sx * self._sx
+        if den <= 1e-9 * max(self._n * self._sxx, 1.0):
+            # All prompts the same size: keep the slope, refit the intercept.
+            self.a = max(self._sy / self._n - self.b * self._sx / self._n, 0.0)
+            return
+        b = (self._n * self._sxy - self._sx * self._sy) / den
+        a = (self._sy - b * self._sx) / self._n
+        if b >= 0.0:
+            self.b = b
+            self.a = max(a, 0.0)
+
+    def estimate(self, tokens: float) -> float:
+        """Expected prefill seconds for `tokens` uncached prompt tokens."""
+        s = self.a + self.b * max(tokens, 0.0)
+        return min(max(s, self.min_s), self.max_s)

@@ -1,0 +1,42 @@
+"""The one way tests build a scorer `Config`: `make_config(workers, **sections)`.
+
+Loopback, ports chosen by the OS, a short grace period, `round_robin` unless a test names
+a policy (deterministic, needs no tokenizer); validated by `load_config` with the
+environment ignored, exactly as `kv-scorer serve` validates a file (so a bad test config
+fails the way a user's would).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scorer.config import Config, load_config
+
+LOOPBACK_SERVER: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "extproc_port": 0,
+    "health_port": 0,
+    "admin_port": 0,
+    "grace_period_s": 0.5,
+}
+
+
+def make_config(workers: Sequence[str | Mapping[str, Any]] = (), **sections: Any) -> Config:
+    """A Config over `workers` (endpoints "ip:port" or worker mappings).
+
+    Each keyword is a top-level section: `policy="kv"`, `pool={"block_size": 16}`,
+    `server={"extproc_transport": "grpcio"}`. A mapping is merged into the defaults
+    (`server`, `pool`) one level deep; anything else replaces them.
+    """
+    data: dict[str, Any] = {
+        "server": dict(LOOPBACK_SERVER),
+        "pool": {"workers": [w if isinstance(w, str) else dict(w) for w in workers]},
+        "policy": "round_robin",
+    }
+    for key, value in sections.items():
+        if isinstance(value, Mapping) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return load_config(overrides=data, environ={})
