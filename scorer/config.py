@@ -258,6 +258,20 @@ class EventsConfig(Strict):
     stale_after_s: float = Field(30.0, gt=0)
     replay_timeout_s: float = Field(1.0, gt=0)
     reconnect_interval_s: float = Field(0.5, gt=0)
+    # Bounds per publisher (a hostile or broken publisher costs bounded memory and CPU).
+    # ZMQ MAXMSGSIZE of the SUB and replay sockets: a larger frame disconnects the peer
+    # before it is buffered (ZMQ reconnects; the gap is replayed).
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    # dp ranks one worker may announce; messages of further ranks are dropped (counted).
+    max_ranks_per_worker: int = Field(256, ge=1)
+    # Block hashes in one BlockStored/BlockRemoved event (1M tokens at block size 16 is
+    # 65,536); a larger event is dropped (counted).
+    max_blocks_per_event: int = Field(65_536, ge=1)
+    # Events per second per worker (token bucket, one second of burst); messages past it
+    # are dropped (counted).
+    max_events_per_s: float = Field(200_000.0, gt=0)
+    # A subscriber task that fails is restarted after this backoff (doubling up to 30 s).
+    restart_backoff_s: float = Field(0.1, gt=0)
     # One SUB socket for the whole pool (llm-d's convention): every engine connects to it
     # and names itself in its topic `kv@<ip>:<port>@<model>` (scorer.events.pool_socket).
     # Empty: only per-worker sockets (pool.workers[].events or discovery.events_port).
@@ -298,6 +312,12 @@ class TokensConfig(Strict):
     segment_cache_bytes: int = Field(64 * 1024 * 1024, ge=0)
     # Map LoRA adapter names to their base model (they share its tokenizer).
     lora_base: dict[str, str] = Field(default_factory=dict)
+    # A body's `chat_template` is code from the client: ignored (the model's template is
+    # used, counted) unless allowed, like vLLM's --trust-request-chat-template. When
+    # allowed it renders in the thread pool within a time and an output budget.
+    allow_request_chat_template: bool = False
+    request_template_timeout_s: float = Field(0.5, gt=0)
+    request_template_max_chars: int = Field(4 * 1024 * 1024, ge=1024)
 
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's model names (its blocks live in the adapter's

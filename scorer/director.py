@@ -66,6 +66,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
         doc = _json_decoder.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # JSON nested ~1,000 deep: the client's error, not ours
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     model = doc.get("model")

@@ -55,6 +55,8 @@ ERROR_KINDS = (
     "batch",  # payload is not a batch [ts, events(, rank)]
     "event",  # an event has the wrong shape or field types
     "unknown_type",  # an event type we do not know (skipped)
+    "depth",  # nested deeper than the decoder recurses (RecursionError)
+    "size",  # a frame over events.max_message_bytes (replay replies)
 )
 
 
@@ -208,6 +210,8 @@ def _fast_payload(payload: bytes) -> EventBatch | None:
             raw: _ABatch | _MBatch = dec.decode(payload)
         except (msgspec.DecodeError, ValueError, TypeError):
             continue
+        except RecursionError:  # a hostile frame nested thousands deep
+            raise DecodeError("depth", "payload nested too deep") from None
         if i:  # the other era is probably what this publisher sends next time as well
             _typed.reverse()
         out: list[Event] = []
@@ -387,6 +391,8 @@ def decode_payload_generic(payload: bytes) -> EventBatch:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError) as e:
         raise DecodeError("msgpack", str(e)[:200]) from None
+    except RecursionError:
+        raise DecodeError("depth", "payload nested too deep") from None
     rank: object = None
     if isinstance(raw, list):
         if len(raw) < 2:

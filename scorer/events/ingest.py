@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -149,7 +150,10 @@ class EventIngest:
         cache_salt: str | None = None,
     ) -> dict[str, Any]:
         """The /debug/score answer for a token list (every known worker, best first)."""
-        keys = self.hasher.keys(token_ids, namespace_key(lora_name, cache_salt))
+        return self.score_keys(self.hasher.keys(token_ids, namespace_key(lora_name, cache_salt)))
+
+    def score_keys(self, keys: list[int]) -> dict[str, Any]:
+        """The /debug/score answer for block keys (reads the index: on the event loop)."""
         matches = self.index.match(keys)
         bs = self.hasher.block_size
         endpoints = list(self.pool.workers)
@@ -170,37 +174,49 @@ class EventIngest:
         return {"block_size": bs, "blocks": len(keys), "workers": workers}
 
     async def debug_score(self, request: web.Request) -> web.Response:
-        """POST /debug/score {"model", "token_ids" | "prompt" | "messages", "cache_salt"?}."""
+        """POST /debug/score {"model", "token_ids" | "prompt" | "messages", "cache_salt"?}.
+
+        Parsing, tokenizing and hashing run in a worker thread (a 1 MB prompt must not stall
+        the event loop); the decision is the director's dry run, the request path's own."""
+        raw = await request.read()
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "body is not JSON")
+            body = await asyncio.to_thread(json.loads, raw)
+        except (ValueError, RecursionError):
+            return _error(400, "body is not JSON (or nested too deeply)")
         if not isinstance(body, dict):
             return _error(400, "body must be a JSON object")
+        try:
+            keys = await asyncio.to_thread(self._body_keys, body)
+        except _BadScoreBody as e:
+            return _error(400, str(e))
+        out = self.score_keys(keys)
+        model = body.get("model")
+        if self.dry_run is not None and isinstance(model, str):
+            # What the policy would decide now, changing no state (the director's dry run).
+            out["decision"] = (await self.dry_run(body)).as_dict()
+        return web.json_response(out)
+
+    def _body_keys(self, body: dict[str, Any]) -> list[int]:
+        """Block keys of a /debug/score body (runs in a worker thread: no index access)."""
         model = body.get("model")
         ids = body.get("token_ids")
         if ids is None and self.tokenize is not None:
             try:
                 ids = self.tokenize(model if isinstance(model, str) else None, body)
             except Exception as e:  # the tokenizer's own error, reported to the operator
-                return _error(400, f"cannot tokenize: {e}")
+                raise _BadScoreBody(f"cannot tokenize: {e}") from None
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
         ):
-            return _error(400, "token_ids must be a list of non-negative 32-bit integers")
+            raise _BadScoreBody("token_ids must be a list of non-negative 32-bit integers")
         salt = body.get("cache_salt")
         lora = body.get("lora_name")
         if lora is None and isinstance(model, str):
             lora = self.config.tokens.adapter_of(model)
-        out = self.score(
-            ids,
-            lora if isinstance(lora, str) else None,
-            salt if isinstance(salt, str) else None,
+        ns = namespace_key(
+            lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None
         )
-        if self.dry_run is not None and isinstance(model, str):
-            # What the policy would decide now, changing no state (the director's dry run).
-            out["decision"] = (await self.dry_run(body)).as_dict()
-        return web.json_response(out)
+        return self.hasher.keys(ids, ns)
 
     def index_report(self) -> dict[str, Any]:
         """Per worker: blocks by medium, last seq per rank, event age, gaps, replays, ..."""
@@ -244,6 +260,8 @@ class EventIngest:
                     "replays": dict(sub.stats.replays),
                     "purges": dict(sub.stats.purges),
                     "decode_errors": dict(sub.stats.decode_errors),
+                    "drops": dict(sub.stats.drops),
+                    "restarts": sub.stats.restarts,
                     "unrecovered_gap": s.unrecovered_gap,
                     "bind_error": sub.stats.bind_error,
                 }
@@ -253,6 +271,10 @@ class EventIngest:
     async def debug_index(self, request: web.Request) -> web.Response:
         """GET /debug/index."""
         return web.json_response(self.index_report())
+
+
+class _BadScoreBody(ValueError):
+    """A /debug/score body that cannot be scored (400)."""
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -60,6 +60,18 @@ PURGES = Counter(
     "Workers purged from the index, by cause (restart, gap, cleared)",
     ["cause"],
 )
+DROPS = Counter(
+    "kv_scorer_event_drops_total",
+    "KV-event messages or events dropped by a bound or a failure, by reason (ranks: a dp "
+    "rank past events.max_ranks_per_worker; event_blocks: an event past "
+    "events.max_blocks_per_event; rate: past events.max_events_per_s; internal: applying "
+    "it raised)",
+    ["reason"],
+)
+RESTARTS = Counter(
+    "kv_scorer_event_subscriber_restarts_total",
+    "KV-event subscriber tasks restarted after a failure",
+)
 CONNECTED = Gauge(
     "kv_scorer_event_streams_connected", "KV-event streams with a live ZMQ connection"
 )
@@ -89,6 +101,8 @@ class StreamStats:
     replays: dict[str, int] = field(default_factory=dict)
     purges: dict[str, int] = field(default_factory=dict)
     decode_errors: dict[str, int] = field(default_factory=dict)
+    drops: dict[str, int] = field(default_factory=dict)  # by reason (see DROPS)
+    restarts: int = 0
     bind_error: str | None = None
 
 
@@ -121,12 +135,18 @@ class Subscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
         self.bound_endpoint: str | None = None  # after bind mode: the real address
+        self.clock: Callable[[], float] = time.monotonic
+        # Token bucket of events per second (one second of burst).
+        self._tokens = config.max_events_per_s
+        self._tokens_at: float | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
         """Open the SUB socket (retrying a failed bind) and start receiving."""
-        self._tasks.append(asyncio.create_task(self._run(), name=f"kv-events {self.endpoint}"))
+        self._tasks.append(
+            asyncio.create_task(self._supervise(), name=f"kv-events {self.endpoint}")
+        )
         # Bind mode: wait for the first bind attempt so a caller can read bound_endpoint.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), 5.0)
@@ -159,6 +179,9 @@ class Subscriber:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        # A frame past the bound disconnects the peer before it is buffered (ZMQ checks the
+        # declared length), so one huge frame cannot grow our memory.
+        sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL, max(1, int(self.config.reconnect_interval_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.events.topic.encode("utf-8"))
         # The monitor must exist before connect/bind, or the first CONNECTED is missed.
@@ -180,6 +203,29 @@ class Subscriber:
             raise
         return sub, mon
 
+    async def _supervise(self) -> None:
+        """Run the receive loop; if it fails, log, count and restart it with backoff (a
+        stream must never die silently). The backoff resets once a run lasted a minute."""
+        backoff = self.config.restart_backoff_s
+        while True:
+            began = self.clock()
+            try:
+                await self._run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                RESTARTS.inc()
+                self.stats.restarts += 1
+                log.exception(
+                    "KV-event subscriber for %s failed; restarting in %.1fs",
+                    self.endpoint,
+                    backoff,
+                )
+            if self.clock() - began > 60.0:
+                backoff = self.config.restart_backoff_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+
     async def _run(self) -> None:
         while True:
             try:
@@ -195,16 +241,25 @@ class Subscriber:
                 continue
             self._ready.set()
             monitor = asyncio.create_task(self._monitor(mon))
+            receive = asyncio.create_task(self._receive(self._sub))
             try:
-                await self._receive(self._sub)
+                await asyncio.wait({monitor, receive}, return_when=asyncio.FIRST_COMPLETED)
+                if receive.done():
+                    receive.result()  # a failure goes to the supervisor
             finally:
-                monitor.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await monitor
+                for t in (monitor, receive):
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await t
                 self._close()
+            # The monitor saw the connection drop (connect mode): open a new socket. ZMQ
+            # reconnects by itself after a network error but never after a protocol error
+            # (e.g. a frame past MAXMSGSIZE), which would leave the stream dead.
+            await asyncio.sleep(self.config.reconnect_interval_s)
 
     async def _monitor(self, mon: zmq.asyncio.Socket) -> None:
-        """Track connected/disconnected from ZMQ's socket monitor."""
+        """Track connected/disconnected from ZMQ's socket monitor; returns when a connect-mode
+        connection drops."""
         from zmq.utils.monitor import parse_monitor_message
 
         peers = 0
@@ -223,6 +278,9 @@ class Subscriber:
                     CONNECTED.inc() if now else CONNECTED.dec()
                     if not now and self.on_disconnect is not None:
                         self.on_disconnect(self.endpoint)
+                if ev == zmq.EVENT_DISCONNECTED and self.events.mode != "bind":
+                    self._log_once("disconnect", f"KV-event stream {self.endpoint} dropped")
+                    return  # _run opens a new socket
         finally:
             mon.close(linger=0)
 
@@ -252,8 +310,37 @@ class Subscriber:
             self._logged.add(kind)
             log.warning("%s (logged once per kind)", text)
 
+    def _drop(self, reason: str, n: int = 1, detail: str = "") -> None:
+        DROPS.labels(reason).inc(n)
+        self._count(self.stats.drops, reason, n)
+        self._log_once(
+            f"drop-{reason}", f"dropped KV events from {self.endpoint}: {reason} {detail}"
+        )
+
+    def _within_rate(self, n: int) -> bool:
+        """Take `n` events from the token bucket. A message passes when the bucket has room
+        for it or is full (so one large message is never starved); the debt it leaves makes
+        the average rate the bound."""
+        cap = self.config.max_events_per_s
+        now = self.clock()
+        if self._tokens_at is not None:
+            self._tokens = min(cap, self._tokens + (now - self._tokens_at) * cap)
+        self._tokens_at = now
+        if self._tokens >= n or self._tokens >= cap:
+            self._tokens -= n
+            return True
+        return False
+
     async def handle(self, frames: list[bytes]) -> None:
-        """Decode, check the sequence (replay / purge as needed) and apply one message."""
+        """Decode, check the sequence (replay / purge as needed) and apply one message.
+        Never raises: a message that cannot be read or applied is counted and dropped."""
+        try:
+            await self._handle(frames)
+        except Exception as e:
+            # A bug or an input no check anticipated must cost one message, not the stream.
+            self._drop("internal", detail=f"({type(e).__name__}: {str(e)[:200]})")
+
+    async def _handle(self, frames: list[bytes]) -> None:
         try:
             msg = decode_message(frames)
         except DecodeError as e:
@@ -262,6 +349,13 @@ class Subscriber:
         for err in msg.batch.errors:
             self._error(err)
         rank = msg.batch.dp_rank or 0
+        idx = self.applier.index
+        if (
+            not idx.has_rank(self.endpoint, rank)
+            and idx.ranks(self.endpoint) >= self.config.max_ranks_per_worker
+        ):
+            self._drop("ranks", detail=f"(rank {rank} past {self.config.max_ranks_per_worker})")
+            return
         last = self.stats.last_seq.get(rank)
         if last is not None:
             if msg.seq <= last:
@@ -273,9 +367,21 @@ class Subscriber:
                 GAPS.inc()
                 self.stats.gaps += 1
                 await self._recover(rank, last + 1, msg.seq)
+        if not self._within_rate(len(msg.batch.events)):
+            self._drop("rate", len(msg.batch.events))
+            self.stats.last_seq[rank] = msg.seq  # consumed: not a gap to replay
+            return
         self._apply(msg, rank)
 
     def _apply(self, msg: Message, rank: int) -> None:
+        cap = self.config.max_blocks_per_event
+        events = msg.batch.events
+        if any(not isinstance(e, AllBlocksCleared) and len(e.block_hashes) > cap for e in events):
+            kept = [
+                e for e in events if isinstance(e, AllBlocksCleared) or len(e.block_hashes) <= cap
+            ]
+            self._drop("event_blocks", len(events) - len(kept), f"(more than {cap} blocks)")
+            msg.batch.events = kept
         if self.on_message is not None:
             self.on_message(msg)
         self.applier.apply(self.endpoint, msg.batch, rank)
@@ -295,8 +401,8 @@ class Subscriber:
         self.status.purges += 1
 
     @staticmethod
-    def _count(d: dict[str, int], key: str) -> None:
-        d[key] = d.get(key, 0) + 1
+    def _count(d: dict[str, int], key: str, n: int = 1) -> None:
+        d[key] = d.get(key, 0) + n
 
     async def _recover(self, rank: int, start: int, until: int) -> None:
         """Replay [start, until) from the worker's replay endpoint, or purge the worker."""
@@ -313,6 +419,7 @@ class Subscriber:
             return "unavailable"
         dealer = self.context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         timeout = self.config.replay_timeout_s
         expect = start
         try:

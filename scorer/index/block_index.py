@@ -74,6 +74,15 @@ class BlockIndex:
         """Endpoints the index has seen (events or speculative inserts)."""
         return list(self._table.ep_mask)
 
+    def has_rank(self, endpoint: str, rank: int | None) -> bool:
+        """Whether (endpoint, rank) already has a slot."""
+        return (endpoint, rank or 0) in self._slots
+
+    def ranks(self, endpoint: str) -> int:
+        """How many slots (dp ranks) an endpoint has. Slots are never freed (their bit may
+        still be in stored masks), so callers bound new ranks per worker (events config)."""
+        return self._table.ep_slots.get(endpoint, 0)
+
     def lookup_engine(self, endpoint: str, rank: int | None, ekey: int) -> int | None:
         """Our key for an engine block hash (`engine_key`) on one worker, or None."""
         s = self._slots.get((endpoint, rank or 0))

@@ -35,6 +35,7 @@ class SlotTable:
         self.bit_ep: list[str] = []  # slot bit → endpoint
         self.bit_obj: list[int] = []  # one shared int object per slot bit
         self.ep_mask: dict[str, int] = {}
+        self.ep_slots: dict[str, int] = {}  # endpoint → number of its slots (dp ranks)
         self.all_mask = 0
         self.ranked = False  # True once an endpoint has a second slot (dp rank)
 
@@ -56,6 +57,7 @@ class SlotTable:
                 self.ranked = True
             self.bit_obj.append(1 << bit)
             self.ep_mask[endpoint] = self.ep_mask.get(endpoint, 0) | (1 << bit)
+            self.ep_slots[endpoint] = self.ep_slots.get(endpoint, 0) + 1
             self.all_mask |= 1 << bit
         return s
 

@@ -36,6 +36,8 @@ import jinja2.nodes
 import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from scorer.tokens import budget as _budget
+
 ContentFormat = Literal["string", "openai"]
 
 # vLLM's MM_PARSER_MAP: the part types whose payload is text.
@@ -193,6 +195,53 @@ def _environment() -> ImmutableSandboxedEnvironment:
 _ENV = _environment()
 
 
+class _RequestSandbox(_Sandbox):
+    """The sandbox for templates a request supplied: `*`/`**`, calls, filters, `range` and
+    the output are held to the render's budget (scorer.tokens.budget)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(
+        self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any
+    ) -> Any:
+        if operator in ("*", "**"):
+            return _budget.bounded_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(
+        __self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        _budget.check_args(args, kwargs)
+        out = super().call(__context, __obj, *args, **kwargs)
+        _budget.check(out)
+        return out
+
+
+def _request_environment() -> ImmutableSandboxedEnvironment:
+    env = _RequestSandbox(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters.update(_ENV.filters)
+    env.filters = {k: _budget.bounded_filter(f) for k, f in env.filters.items()}
+    env.globals.update(_ENV.globals)
+    env.globals["range"] = _budget.bounded_range
+    return env
+
+
+_REQUEST_ENV = _request_environment()
+
+
+@lru_cache(maxsize=16)
+def compile_request_template(source: str) -> jinja2.Template:
+    """A request-supplied template compiled in the budgeted sandbox (cached by source)."""
+    try:
+        return _REQUEST_ENV.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatError(f"chat template does not parse: {e}") from e
+
+
 @lru_cache(maxsize=64)
 def compile_template(source: str) -> jinja2.Template:
     """The compiled template (cached by source text)."""
@@ -203,11 +252,13 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 @lru_cache(maxsize=64)
-def template_variables(source: str) -> frozenset[str]:
-    """Variables the template reads from its context (jinja2.meta)."""
+def template_variables(source: str, from_request: bool = False) -> frozenset[str]:
+    """Variables the template reads from its context (jinja2.meta). It compiles the
+    template, folding constants: a request's template goes through the budgeted sandbox."""
     import jinja2.meta
 
-    return frozenset(jinja2.meta.find_undeclared_variables(_ENV.parse(source)))
+    env = _REQUEST_ENV if from_request else _ENV
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
 
 
 def _reads_content(node: jinja2.nodes.Node) -> bool:
@@ -378,8 +429,12 @@ def render_chat(
     body: Mapping[str, Any],
     template: str,
     special_tokens: Mapping[str, str],
+    budget: tuple[float, int] | None = None,
 ) -> str:
-    """The prompt string for a /v1/chat/completions body, rendered with `template`."""
+    """The prompt string for a /v1/chat/completions body, rendered with `template`.
+
+    `budget` = (seconds, max output chars) marks `template` as supplied by the request: it
+    is compiled in the budgeted sandbox and rendered within those limits."""
     fmt = content_format(template)
     messages = normalize_messages(body.get("messages"), fmt)
     tools = normalize_tools(body.get("tools"))
@@ -401,7 +456,7 @@ def render_chat(
     documents = kwargs.pop("documents")
     if cont and add_gen:
         raise ChatError("continue_final_message and add_generation_prompt are not compatible")
-    used = template_variables(template)
+    used = template_variables(template, budget is not None)
     rest = {k: v for k, v in kwargs.items() if k in used and k not in _RESERVED_KWARGS}
 
     # transformers drops None-valued keys, then aliases reasoning fields.
@@ -431,20 +486,36 @@ def render_chat(
             final_text = final
             last["content"] = final + _CONTINUE_TAG
 
-    compiled = compile_template(template)
+    compiled = compile_template(template) if budget is None else compile_request_template(template)
     ctx: dict[str, Any] = {**special_tokens, **rest}
     try:
-        text = compiled.render(
-            messages=chat,
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_gen,
-            **ctx,
-        )
+        if budget is None:
+            text = compiled.render(
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_gen,
+                **ctx,
+            )
+        else:
+            text = _budget.render_within(
+                compiled,
+                budget[0],
+                budget[1],
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_gen,
+                **ctx,
+            )
+    except _budget.BudgetExceeded:
+        raise
     except jinja2.TemplateError as e:
         raise ChatError(f"chat template error: {e}") from e
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:
         raise ChatError(f"chat template failed: {type(e).__name__}: {e}") from e
+    except (RecursionError, MemoryError) as e:
+        raise ChatError(f"chat template failed: {type(e).__name__}") from e
 
     if cont:
         assert final_text is not None

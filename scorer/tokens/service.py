@@ -39,6 +39,7 @@ from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config, ConfigError
 from scorer.errors import json_error
 from scorer.routing import RoutingRequest
+from scorer.tokens.budget import BudgetExceeded
 from scorer.tokens.chat import ChatError, render_chat
 from scorer.tokens.registry import (
     EncodeStats,
@@ -65,6 +66,17 @@ TOKENIZE_OUTCOMES = Counter(
 # Requests whose prompt is estimated (from the body size) at most this many tokens are
 # tokenized on the event loop: encoding them costs less than handing them to a thread.
 INLINE_MAX_TOKENS = 256
+# Token-id prompts up to this many ids are hashed on the event loop (~20 µs per 1,000 ids);
+# longer ones go to the pool like any other heavy work.
+INLINE_MAX_IDS = 2048
+
+
+def _id_count(body: Mapping[str, Any]) -> int:
+    """Ids in a token-id prompt (its first prompt for a batch)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, list) else 0
 
 
 def is_token_id_prompt(body: Mapping[str, Any]) -> bool:
@@ -79,6 +91,14 @@ def is_token_id_prompt(body: Mapping[str, Any]) -> bool:
     if isinstance(first, list):
         first = first[0] if first else None
     return isinstance(first, int) and not isinstance(first, bool)
+
+
+REQUEST_TEMPLATES = Counter(
+    "kv_scorer_tokens_request_chat_templates_total",
+    "Request bodies carrying their own chat_template, by outcome (ignored: not allowed, the "
+    "model's template used; rendered; over_budget: past its time or output budget)",
+    ["outcome"],
+)
 
 
 class TokenizeError(ValueError):
@@ -309,16 +329,33 @@ class Tokenization:
             return str(body["prompt"])
         return self._render(lt, body)
 
-    def _render(self, lt: LocalTokenizer, body: Mapping[str, Any]) -> str:
+    def _render(
+        self, lt: LocalTokenizer, body: Mapping[str, Any], stats: dict[str, int] | None = None
+    ) -> str:
         override = body.get("chat_template")
         if override is not None and not isinstance(override, str):
             raise TokenizeError("chat_template must be a string")
+        budget: tuple[float, int] | None = None
+        if override is not None and override not in lt.chat_templates:
+            # Template source from the client: code we run only when configured to.
+            tc = self.config.tokens
+            if not tc.allow_request_chat_template:
+                REQUEST_TEMPLATES.labels("ignored").inc()
+                if stats is not None:
+                    stats["request_template_ignored"] = 1
+                override = None
+            else:
+                REQUEST_TEMPLATES.labels("rendered").inc()
+                budget = (tc.request_template_timeout_s, tc.request_template_max_chars)
         template = lt.chat_template(override, bool(body.get("tools")))
         if template is None:
             raise TokenizeError("the model's tokenizer has no chat template")
         try:
-            return render_chat(body, template, lt.special_tokens)
+            return render_chat(body, template, lt.special_tokens, budget)
         except ChatError as e:
+            raise TokenizeError(str(e)) from e
+        except BudgetExceeded as e:
+            REQUEST_TEMPLATES.labels("over_budget").inc()
             raise TokenizeError(str(e)) from e
 
     def _chat_bytes(
@@ -328,7 +365,7 @@ class Tokenization:
         add_special: bool,
         stats: dict[str, int],
     ) -> bytes:
-        text = self._render(lt, body)
+        text = self._render(lt, body, stats)
         es = EncodeStats()
         buf = lt.encode_bytes(text, self.cache, add_special, es)
         stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
@@ -405,8 +442,14 @@ class Tokenization:
         rendered or tokenized: sets `tokenize_error`. Never raises for a bad body.
         """
         body = request.body
-        if body is not None and (
-            is_token_id_prompt(body) or 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
+        if (
+            body is not None
+            and "chat_template" not in body  # request-supplied code: always off the loop
+            and (
+                _id_count(body) <= INLINE_MAX_IDS
+                if is_token_id_prompt(body)
+                else 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
+            )
         ):
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
             self.prepare_sync(request)

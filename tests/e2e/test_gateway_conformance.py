@@ -27,10 +27,9 @@ from scorer.envoyproc import GATEWAYS, GatewayPool, render_gateway_config
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 BODY = json.dumps({"model": "m", "prompt": "Write as if you were a critic: San Francisco"})
 
-# The gateways send response bodies FULL_DUPLEX_STREAMED. Until the scorer answers
-# streamed response bodies (issue 10 item 1) these scenarios run with response bodies not
-# sent. TLS to the picker is each shape's own (Envoy AI Gateway and kgateway: always).
-SHAPE = {"response_body_mode": "NONE"}
+# Each shape as its gateway generates it: response bodies FULL_DUPLEX_STREAMED, TLS to
+# the picker where the gateway uses it (Envoy AI Gateway and kgateway: always).
+SHAPE: dict[str, str] = {}
 SELECTION = "test-epp-endpoint-selection"
 SERVED = "x-conformance-test-served-endpoint"
 

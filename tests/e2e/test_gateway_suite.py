@@ -23,6 +23,7 @@ import pytest
 import pytest_asyncio
 from configs import make_config
 from e2e_helpers import Backend, sse_events
+from prometheus_client import REGISTRY
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -31,10 +32,8 @@ from scorer.envoyproc import GATEWAYS, render_gateway_config
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 
 TRANSPORTS = ("asyncio", "grpcio")
-# All three gateways send response bodies FULL_DUPLEX_STREAMED. Until the scorer answers
-# streamed response bodies (issue 10 item 1, the director's response path) the suite runs
-# with response bodies not sent; set this to "FULL_DUPLEX_STREAMED" when that lands.
-RESPONSE_BODY_MODE = "NONE"
+# All three gateways send response bodies FULL_DUPLEX_STREAMED, and so does the suite.
+RESPONSE_BODY_MODE = "FULL_DUPLEX_STREAMED"
 SETUPS = [(g, t) for g in GATEWAYS for t in TRANSPORTS]
 
 
@@ -115,7 +114,13 @@ async def test_get_models(gw: Setup) -> None:
         assert (await r.json())["method"] == "GET"
 
 
+def sample(metric: str) -> float:
+    labels = {"model_name": "m", "target_model_name": "m"}
+    return REGISTRY.get_sample_value(metric, labels) or 0.0
+
+
 async def test_sse_stream_every_byte_arrives(gw: Setup) -> None:
+    tokens_before = sample("inference_objective_output_tokens_sum")
     async with (
         aiohttp.ClientSession() as s,
         s.post(gw.url + "/stream?n=1000", data=completion(stream=True)) as r,
@@ -125,6 +130,9 @@ async def test_sse_stream_every_byte_arrives(gw: Setup) -> None:
         got = await r.read()
         name = got.rsplit(b"[DONE] ", 1)[-1].strip().decode()
     assert got == b"".join(sse_events(1000, name))
+    await wait_idle(gw.app)
+    # The last event's usage reached the inference extension's token metrics.
+    assert sample("inference_objective_output_tokens_sum") - tokens_before == 1000
 
 
 async def test_4mb_post(gw: Setup) -> None:

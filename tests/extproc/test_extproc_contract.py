@@ -172,6 +172,9 @@ async def test_subset_matching_nothing_is_503(harness) -> None:
         (b"{not json", 400, None),
         (b'{"prompt": "x"}', 400, "model"),
         (b"[1, 2]", 400, None),
+        # nested past the decoder's recursion limit (was a 500 with two tracebacks)
+        (b'{"model": "m", "messages": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, None),
+        (b'{"model": "m", "prompt": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_001, 400, None),
     ],
 )
 async def test_bad_body_is_400_openai_error(harness, body, status, param) -> None:

@@ -232,8 +232,10 @@ PARTS_TEMPLATE = (
 )
 
 
-def test_openai_content_format_and_generation_block(tokens: Tokenization) -> None:
-    """A template that loops over content parts gets them as parts, as vLLM passes them."""
+def test_openai_content_format_and_generation_block() -> None:
+    """A template that loops over content parts gets them as parts, as vLLM passes them
+    (the template comes in the body: allowed here, as vLLM's --trust-request-chat-template)."""
+    tokens = make_tokens({"qwen3": QWEN3}, allow_request_chat_template=True)
     body_msgs: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": "plain"},

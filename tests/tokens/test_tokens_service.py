@@ -136,10 +136,14 @@ def test_content_parts_flattened_like_vllm(tokens: Tokenization) -> None:
     )
     assert content_format(loop) == "openai"
     assert content_format(local(QWEN3).chat_templates["default"]) == "string"
-    body = {"messages": [{"role": "user", "content": parts[:2]}], "chat_template": loop}
-    assert tokens.render("qwen3", body) == "[first][second]"
-    body = {"messages": [{"role": "user", "content": "plain"}], "chat_template": loop}
-    assert tokens.render("qwen3", body) == "[plain]"
+    trusting = make_tokens({"qwen3": QWEN3}, allow_request_chat_template=True)
+    try:
+        body = {"messages": [{"role": "user", "content": parts[:2]}], "chat_template": loop}
+        assert trusting.render("qwen3", body) == "[first][second]"
+        body = {"messages": [{"role": "user", "content": "plain"}], "chat_template": loop}
+        assert trusting.render("qwen3", body) == "[plain]"
+    finally:
+        trusting.close()
 
 
 def test_message_and_tool_normalization() -> None:

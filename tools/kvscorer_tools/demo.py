@@ -40,9 +40,8 @@ from kvscorer_tools.bench.workloads import Workload, load_workload, oracle_block
 POLICIES = ("kv", "approx", "round_robin")
 
 
-# The gateways send response bodies FULL_DUPLEX_STREAMED; the demo does the same once the
-# scorer answers streamed response bodies (issue 10 item 1). Until then: not sent.
-DEMO_RESPONSE_BODY_MODE = "NONE"
+# The gateways send response bodies FULL_DUPLEX_STREAMED; so does the demo's Envoy.
+DEMO_RESPONSE_BODY_MODE = "FULL_DUPLEX_STREAMED"
 
 
 def demo_workloads(small: bool, seed: int) -> tuple[Workload, Workload]:
