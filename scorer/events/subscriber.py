@@ -72,6 +72,11 @@ RESTARTS = Counter(
     "kv_scorer_event_subscriber_restarts_total",
     "KV-event subscriber tasks restarted after a failure",
 )
+SYNCS = Counter(
+    "kv_scorer_event_syncs_total",
+    "Replay-socket syncs on (re)connection by outcome (ok, unavailable, timeout, error)",
+    ["outcome"],
+)
 CONNECTED = Gauge(
     "kv_scorer_event_streams_connected", "KV-event streams with a live ZMQ connection"
 )
@@ -103,6 +108,8 @@ class StreamStats:
     decode_errors: dict[str, int] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)  # by reason (see DROPS)
     restarts: int = 0
+    syncs: dict[str, int] = field(default_factory=dict)  # by outcome (see SYNCS)
+    warm_messages: int = 0  # messages a sync applied for ranks we knew nothing about
     bind_error: str | None = None
 
 
@@ -139,6 +146,15 @@ class Subscriber:
         # Token bucket of events per second (one second of burst).
         self._tokens = config.max_events_per_s
         self._tokens_at: float | None = None
+        # Handling a message and syncing with the replay socket never interleave.
+        self._lock = asyncio.Lock()
+        self._syncing: set[asyncio.Task[None]] = set()
+        # Per rank: the batch timestamp of the last applied message (tells the engine that
+        # sent seq N from a new engine's seq N) and, after a sync, seq → timestamp of what
+        # the buffer held: a live message equal to one of them is a duplicate (the SUB
+        # buffered it during the sync); one that differs is a new engine's.
+        self._last_ts: dict[int, float] = {}
+        self._synced: dict[int, dict[int, float]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -153,10 +169,12 @@ class Subscriber:
 
     def cancel(self) -> None:
         """Stop applying now (synchronously: the worker left the pool); `stop()` closes."""
-        for t in self._tasks:
+        for t in (*self._syncing, *self._tasks):
             t.cancel()
 
     async def stop(self) -> None:
+        for t in self._syncing:
+            t.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -276,6 +294,10 @@ class Subscriber:
                 if now != before:
                     self.status.connected = now
                     CONNECTED.inc() if now else CONNECTED.dec()
+                    if now and self.events.replay_endpoint:
+                        t = asyncio.create_task(self._locked_sync())
+                        self._syncing.add(t)
+                        t.add_done_callback(self._syncing.discard)
                     if not now and self.on_disconnect is not None:
                         self.on_disconnect(self.endpoint)
                 if ev == zmq.EVENT_DISCONNECTED and self.events.mode != "bind":
@@ -335,7 +357,8 @@ class Subscriber:
         """Decode, check the sequence (replay / purge as needed) and apply one message.
         Never raises: a message that cannot be read or applied is counted and dropped."""
         try:
-            await self._handle(frames)
+            async with self._lock:
+                await self._handle(frames)
         except Exception as e:
             # A bug or an input no check anticipated must cost one message, not the stream.
             self._drop("internal", detail=f"({type(e).__name__}: {str(e)[:200]})")
@@ -346,8 +369,6 @@ class Subscriber:
         except DecodeError as e:
             self._error(e)
             return
-        for err in msg.batch.errors:
-            self._error(err)
         rank = msg.batch.dp_rank or 0
         idx = self.applier.index
         if (
@@ -356,13 +377,18 @@ class Subscriber:
         ):
             self._drop("ranks", detail=f"(rank {rank} past {self.config.max_ranks_per_worker})")
             return
+        synced = self._synced.get(rank)
+        if synced is not None:
+            if synced.get(msg.seq) == msg.batch.ts:
+                return  # the sync saw it already (the SUB buffered it meanwhile)
+            del self._synced[rank]
+        for err in msg.batch.errors:
+            self._error(err)
         last = self.stats.last_seq.get(rank)
         if last is not None:
             if msg.seq <= last:
                 # The engine restarted (seq starts over at 0): everything we knew is gone.
-                self._purge("restart")
-                self.status.unrecovered_gap = False
-                self.stats.last_seq.clear()
+                self._restarted()
             elif msg.seq > last + 1:
                 GAPS.inc()
                 self.stats.gaps += 1
@@ -391,8 +417,112 @@ class Subscriber:
             self.status.purges += 1
             self.status.unrecovered_gap = False
         self.stats.last_seq[rank] = msg.seq
+        self._last_ts[rank] = msg.batch.ts
         self.stats.messages += 1
         self.status.last_event_at = time.monotonic()
+
+    def _restarted(self) -> None:
+        """The publisher is a new engine: everything the old one held is gone."""
+        self._purge("restart")
+        self.status.unrecovered_gap = False
+        self.stats.last_seq.clear()
+        self._last_ts.clear()
+        self._synced.clear()
+
+    async def _locked_sync(self) -> None:
+        try:
+            async with self._lock:
+                await self._sync()
+        except Exception:
+            log.exception("KV-event replay sync for %s failed", self.endpoint)
+
+    async def _sync(self) -> None:
+        """On every (re)connection: read everything the worker's replay socket keeps.
+
+        * warm start: a rank we know nothing about gets every buffered message applied, so a
+          scorer started next to a warm fleet knows what the buffers cover at once;
+        * restart: the buffer is empty while we applied messages before, or it has no
+          message with our last seq, or that message's batch timestamp differs from the one
+          we applied — a new engine: purge now, then apply its buffer (a restarted engine
+          that has not published yet no longer keeps the dead engine's blocks);
+        * reconnect: messages after our last seq are applied; if the buffer no longer
+          reaches back to it, the worker is purged first (gap) and rebuilt from the buffer.
+        """
+        outcome, msgs = await self._fetch_replay(0)
+        SYNCS.labels(outcome).inc()
+        self._count(self.stats.syncs, outcome)
+        if outcome != "ok":
+            return
+        known = self.stats.last_seq
+        if not msgs:
+            if known:
+                self._restarted()
+            return
+        by_rank: dict[int, list[Message]] = {}
+        for m in msgs:
+            by_rank.setdefault(m.batch.dp_rank or 0, []).append(m)
+        idx = self.applier.index
+        for rank, ms in by_rank.items():
+            if (
+                not idx.has_rank(self.endpoint, rank)
+                and idx.ranks(self.endpoint) >= self.config.max_ranks_per_worker
+            ):
+                self._drop("ranks", len(ms))
+                continue
+            ms.sort(key=lambda m: m.seq)
+            last = known.get(rank)
+            if last is not None:
+                same = next((m for m in ms if m.seq == last), None)
+                if (same is not None and same.batch.ts != self._last_ts.get(rank)) or (
+                    same is None and ms[-1].seq < last
+                ):
+                    self._restarted()
+                    last = None
+                elif same is None and ms[0].seq > last + 1:
+                    self._purge("gap")
+                    known.pop(rank, None)
+                    last = None
+            todo = ms if last is None else [m for m in ms if m.seq > last]
+            for m in todo:
+                for err in m.batch.errors:
+                    self._error(err)
+                self._apply(m, rank)
+            self.stats.warm_messages += len(todo) if last is None else 0
+            self._synced[rank] = {m.seq: m.batch.ts for m in ms}
+
+    async def _fetch_replay(self, start: int) -> tuple[str, list[Message]]:
+        """Every message the replay socket keeps from `start` (bounded by its buffer)."""
+        if not self.events.replay_endpoint:
+            return "unavailable", []
+        dealer = self.context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        out: list[Message] = []
+        try:
+            dealer.connect(self.events.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                try:
+                    frames = await asyncio.wait_for(
+                        dealer.recv_multipart(), self.config.replay_timeout_s
+                    )
+                except TimeoutError:
+                    return "timeout", []
+                try:
+                    topic, seq_b, payload = split_replay_reply(frames)
+                    if seq_b == END_SEQ:
+                        return "ok", out
+                    seq = decode_seq(seq_b)
+                    batch = decode_payload(payload)
+                except DecodeError as e:
+                    self._error(e)
+                    continue
+                out.append(Message(topic or "", seq, batch))  # errors counted if applied
+        except zmq.ZMQError as e:
+            self._log_once("replay", f"replay from {self.events.replay_endpoint} failed: {e}")
+            return "error", []
+        finally:
+            dealer.close(linger=0)
 
     def _purge(self, cause: str) -> None:
         self.applier.index.purge(self.endpoint)

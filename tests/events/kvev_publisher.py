@@ -67,6 +67,8 @@ class Publisher:
         reply_layout: int = 4,
         rank: int | None = None,
         connect_to: str | None = None,
+        port: int | None = None,
+        replay_port: int | None = None,
     ) -> None:
         self.ctx = ctx
         self.topic = topic
@@ -77,14 +79,21 @@ class Publisher:
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if connect_to is None:
-            port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            if port is None:
+                port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+            else:  # a restarted engine on the same address
+                self.pub.bind(f"tcp://127.0.0.1:{port}")
             self.endpoint = f"tcp://127.0.0.1:{port}"
         else:
             self.pub.connect(connect_to)
             self.endpoint = connect_to
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+        if replay_port is None:
+            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            rport = replay_port
+            self.router.bind(f"tcp://127.0.0.1:{rport}")
         self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
         self.replay_requests: list[int] = []
         self._task = asyncio.create_task(self._serve_replay())
