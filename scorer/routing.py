@@ -88,6 +88,9 @@ class CandidateScore:
     cost: float | None = None
     filtered: str | None = None  # why it was removed before scoring (busy, subset, ...)
     note: str | None = None  # e.g. "stale_events" when its credit was reduced
+    # Blocks of the best candidate's cached prefix this one would write a second time
+    # (the cost's duplicate_cost term; 0 when that term is off).
+    duplicate_blocks: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (used by /debug/decisions and the Score RPC)."""
@@ -106,6 +109,7 @@ class CandidateScore:
             "cost": None if self.cost is None else round(self.cost, 3),
             "filtered": self.filtered,
             "note": self.note,
+            "duplicate_blocks": round(self.duplicate_blocks, 2),
         }
 
 

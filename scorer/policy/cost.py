@@ -31,6 +31,23 @@ Credit decay (caps how much traffic one hot prefix can pull onto one worker):
 
 i.e. excess counts how many "least-loaded loads" (or request sizes, on an idle pool) a
 worker is above the least-loaded candidate.
+
+Duplicate cost (what a decision costs the fleet, not only the request; option
+`duplicate_cost`, issue 13):
+
+    duplicate_i = max(best_overlap - weighted_overlap_i, 0)      (blocks)
+    cost_i     += duplicate_cost * duplicate_i
+
+where best_overlap is the longest weighted cached prefix among the eligible candidates
+(a stale stream's overlap times stale_credit).
+Sending a request away from the worker that holds its prefix recomputes those blocks —
+the prefill term prices that, for this request — and also writes them a second time: the
+new worker evicts as many of its own cached blocks (under memory pressure every write
+evicts one), so the fleet holds one copy fewer of something else. The prefill term is cut
+by credit decay on a loaded worker; this one is not, so it is also the "keep a
+conversation where its previous turn ran" term (the worker with the longest prefix is,
+by the prefix itself, the one that served the previous turn). It costs nothing when no
+candidate has the prefix or when the best one wins anyway.
 """
 
 from __future__ import annotations
@@ -84,6 +101,9 @@ class CostModelOptions(PolicyOptions):
     credit_decay: float = Field(0.1, ge=0)
     # Credit multiplier for a worker whose event stream is stale or has an unrecovered gap.
     stale_credit: float = Field(0.5, ge=0, le=1)
+    # Cost per block of the best candidate's cached prefix that another candidate would
+    # write a second time (module doc, "Duplicate cost"). 0: off.
+    duplicate_cost: float = Field(0.0, ge=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -190,13 +210,15 @@ def dynamo_costs(
     request_blocks: float,
     opts: CostModelOptions,
     stale: Callable[[Worker], bool] | None = None,
+    duplicate_out: dict[int, float] | None = None,
 ) -> tuple[list[float], dict[int, CostRow], bool]:
     """THE cost function (module doc), for each eligible candidate in order.
 
     Returns the costs (parallel to `eligible`), per candidate with a cached prefix the
     numbers its explanation row shows, and whether any credit was cut for staleness.
     `stale(w)` says whether w's cache signal is to be trusted less (a silent or gapped
-    event stream).
+    event stream). With `duplicate_cost` > 0, `duplicate_out` (when given) receives each
+    eligible candidate's duplicated blocks (for its explanation row).
     """
     pfs, dcs = table.prefill, table.decode
     load_min = min([pfs[i] + dcs[i] for i in eligible])
@@ -232,6 +254,17 @@ def dynamo_costs(
             rows[i] = (m, weighted, credit, is_stale)
             p -= credit * weighted
         add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
+    dup = opts.duplicate_cost
+    if dup > 0.0 and rows:
+        # A stale stream's blocks may be gone: they count with stale_credit here too.
+        held = {i: r[1] * (stale_credit if r[3] else 1.0) for i, r in rows.items()}
+        best = max(held.values())
+        for k, i in enumerate(eligible):
+            extra = best - held.get(i, 0.0)
+            if extra > 0.0:
+                costs[k] += dup * extra
+            if duplicate_out is not None:
+                duplicate_out[i] = extra
     return costs, rows, stale_any
 
 

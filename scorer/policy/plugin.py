@@ -61,6 +61,9 @@ class Cycle:
     # Busy thresholds applied while building the load table (the profile's busy filter).
     busy: BusyOptions | None = None
     stale_any: bool = False  # a cost row's credit was cut for a stale event stream
+    # Blocks of the best cached prefix each candidate would write again (dynamo_cost's
+    # duplicate_cost term, when on), for the explanation rows.
+    duplicate_blocks: dict[int, float] = field(default_factory=dict)
     _load: LoadTable | None = None
     _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
 

@@ -331,4 +331,7 @@ class Profile(Policy):
                         "stale_events" if stale else None,
                     )
                 )
+        if cycle.duplicate_blocks:
+            for i, extra in cycle.duplicate_blocks.items():
+                rows[i].duplicate_blocks = extra
         return rows

@@ -53,7 +53,10 @@ class SimpleOptions(PolicyOptions):
 
 
 _BUSY = tuple(BusyOptions.model_fields)
-_COST = ("prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "speculative")
+_COST = (
+    "prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "duplicate_cost",
+    "speculative",
+)  # fmt: skip
 
 
 def _cache_spec(o: CostOptions, source: str, extra: dict[str, Any]) -> ProfileSpec:

@@ -79,7 +79,7 @@ async def test_sigterm_drains_then_exits_zero() -> None:
             await asyncio.wait_for(b.read(), 5)
 
             proc.send_signal(signal.SIGTERM)
-            for _ in range(100):  # readiness goes down first
+            for _ in range(1500):  # readiness goes down first
                 if await status(health, "readiness") == "NOT_SERVING":
                     break
                 await asyncio.sleep(0.02)

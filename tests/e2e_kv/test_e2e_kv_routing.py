@@ -144,7 +144,7 @@ async def stack() -> AsyncIterator[Stack]:
             pool={"block_size": BLOCK},
             tokens={"models": {MODEL: {"tokenizer": str(TOKENIZER)}}},
             index={"speculative_ttl_s": 0},
-            load={"scrape_interval_s": 0.05, "stale_after_s": 1.0},
+            load={"scrape_interval_s": 0.05, "stale_after_s": 30.0},  # never stale under load
             extproc={"decision_headers": True},
             policy="kv",
             policies={"kv": {"credit_decay": 0}},
@@ -152,11 +152,17 @@ async def stack() -> AsyncIterator[Stack]:
         app = App(config)
         await app.start()
         events = app.events
-        for _ in range(200):  # subscribers connected (ZMQ slow joiner)
-            if all(events.status(w.endpoint).connected for w in workers):
-                break
+        # ZMQ slow joiner: a PUB drops what it sends before the SUB's subscription
+        # arrives. Publish empty batches until each stream has applied one (a first
+        # message is never a gap), so no real event is lost. Bounded, not a fixed sleep.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while not all(events.status(w.endpoint).last_event_at is not None for w in workers):
+            assert loop.time() < deadline, "KV-event streams did not come up"
+            for w in workers:
+                if events.status(w.endpoint).last_event_at is None:
+                    w.publisher.publish([])
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)
         cfg = render_envoy_config(0, app.extproc_port, 0)
         async with EnvoyProcess(cfg) as envoy:
             yield Stack(workers, app, envoy, engine_tokens)
@@ -201,7 +207,7 @@ async def newest_decision(stack: Stack, **query: str) -> dict[str, Any]:
 async def wait_indexed(stack: Stack, prompt: str, endpoint: str) -> None:
     keys = stack.tokens.tokenize_body(MODEL, {"model": MODEL, "prompt": prompt}).block_keys
     index = stack.app.parts.index
-    for _ in range(250):
+    for _ in range(1500):  # bounded (~30 s) for a loaded machine
         m = index.match(keys, [endpoint]).get(endpoint)
         if m is not None and m.blocks == len(keys):
             return
@@ -239,7 +245,7 @@ async def test_saturated_warm_worker_spills_with_reason(stack: Stack) -> None:
     warm.waiting = 12  # the engine's queue fills up (>= busy_waiting 5)
     try:
         pw = stack.app.pool.workers[warm.endpoint]
-        for _ in range(100):
+        for _ in range(1500):  # bounded (~30 s) for a loaded machine
             if pw.scraped.waiting == 12:
                 break
             await asyncio.sleep(0.02)

@@ -34,7 +34,7 @@ def blk(i: int) -> list[int]:
     return TOKENS[i * BS : (i + 1) * BS]
 
 
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     """Bounded wait for a condition the subscriber reaches asynchronously."""
     end = asyncio.get_running_loop().time() + timeout
     while not cond():

@@ -35,7 +35,7 @@ def blk(i: int, j: int | None = None) -> list[int]:
     return TOKENS[i * BS : j * BS]
 
 
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     """Bounded wait for a condition the subscriber reaches asynchronously."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout

@@ -258,7 +258,7 @@ async def test_connection_cap(server: Any) -> None:
     finally:
         for c in clients:
             c.close()
-    for _ in range(100):  # the server sees the closes (bounded wait on a condition)
+    for _ in range(3000):  # the server sees the closes (bounded wait on a condition)
         if len(srv.connections) == 0:
             break
         await asyncio.sleep(0.01)

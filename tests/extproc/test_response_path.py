@@ -66,7 +66,7 @@ def hooked(h: Any) -> list[Completion]:
 
 
 async def until(cond: Any) -> None:
-    for _ in range(200):
+    for _ in range(3000):  # bounded (~30 s) for a loaded machine
         if cond():
             return
         await asyncio.sleep(0.01)

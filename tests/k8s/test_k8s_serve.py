@@ -62,7 +62,7 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
             api.put("pods", pod("vllm-0", "10.1.0.1"))
             api.put("pods", pod("vllm-1", "10.1.0.2", ready=False))
             api.put(POOLS, inference_pool("vllm", {"app": "vllm"}, [8000]))
-            for _ in range(200):
+            for _ in range(600):  # bounded (~30 s) for a loaded machine
                 if await _status(health, "readiness") == "SERVING":
                     break
                 await asyncio.sleep(0.05)
@@ -74,7 +74,7 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
 
             assert await workers() == {"10.1.0.1:8000"}
             api.put("pods", pod("vllm-1", "10.1.0.2", ready=True))
-            for _ in range(200):
+            for _ in range(600):  # bounded (~30 s) for a loaded machine
                 if await workers() == {"10.1.0.1:8000", "10.1.0.2:8000"}:
                     break
                 await asyncio.sleep(0.05)

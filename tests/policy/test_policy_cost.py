@@ -259,3 +259,24 @@ def test_temperature_in_policy_spreads_decisions() -> None:
 def test_options_reject_unknown_keys() -> None:
     with pytest.raises(ValueError, match="bogus"):
         make(1, options={"bogus": 1})
+
+
+def test_duplicate_cost_keeps_a_prefix_on_its_loaded_worker() -> None:
+    """W0 holds 8 of 10 blocks but is loaded; W1 is idle and holds nothing.
+
+    prefill_load_scale 1, no decay: W0 = (6 + 10 - 8) + (4 + 10) = 22, W1 = 10 + 10 = 20,
+    so W1 wins and writes W0's 8 blocks a second time. With duplicate_cost 0.5 W1 pays
+    0.5 x 8 = 4 more (24) and W0 (nothing duplicated) wins; the rows say why.
+    """
+    base = {"credit_decay": 0, "prefill_load_scale": 1.0}
+    for dup, winner, costs in ((0.0, 1, [22.0, 20.0]), (0.5, 0, [22.0, 24.0])):
+        s = make(2, options={**base, "duplicate_cost": dup})
+        k = keys(10)
+        hold(s.index, endpoint(0), k[:8])
+        set_load(s, 0, prefill=6, decode=4)
+        d = s.policy.decide(request(k), list(s.pool))
+        c = by_ep(d)
+        assert [c[endpoint(i)].cost for i in range(2)] == costs
+        assert d.endpoint == endpoint(winner)
+        shown = [c[endpoint(i)].as_dict()["duplicate_blocks"] for i in range(2)]
+        assert shown == ([0.0, 0.0] if dup == 0 else [0.0, 8.0])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -122,7 +123,10 @@ async def engines() -> AsyncIterator[list[FakeEngine]]:
 
 
 def make_scraper(
-    engines: list[FakeEngine], dead_port: int | None = None, **load: float
+    engines: list[FakeEngine],
+    dead_port: int | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    **load: float,
 ) -> tuple[LoadScraper, Pool]:
     workers = [
         {"endpoint": f"127.0.0.1:{8000 + i}", "metrics_url": e.url} for i, e in enumerate(engines)
@@ -131,13 +135,34 @@ def make_scraper(
         workers.append(
             {"endpoint": "127.0.0.1:8099", "metrics_url": f"http://127.0.0.1:{dead_port}/metrics"}
         )
+    # The timeout is generous: on a loaded machine a loopback scrape can take a while, and
+    # only the test of timeouts itself should ever see one.
     cfg = make_config(
         workers,
         pool={"block_size": 16},
-        load={"scrape_interval_s": 0.05, "scrape_timeout_s": 0.3, **load},
+        load={"scrape_interval_s": 0.05, "scrape_timeout_s": 10.0, **load},
     )
     pool = Pool.from_config(cfg)
-    return LoadScraper(cfg, pool), pool
+    return LoadScraper(cfg, pool, clock=clock), pool
+
+
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Wait for a condition the scrape loop reaches (bounded; not a fixed sleep)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+class ManualClock:
+    """The scraper's clock, moved by the test: staleness never depends on load."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def gauge(name: str, endpoint: str) -> float | None:
@@ -180,10 +205,7 @@ async def test_fresh_scrape_fills_the_load_view(engines: list[FakeEngine]) -> No
     scraper, pool = make_scraper(engines)
     await scraper.start()
     try:
-        for _ in range(100):
-            if all(w.scraped.at > 0 for w in pool):
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: all(w.scraped.at > 0 for w in pool), "a first scrape of each")
         w0, w1 = list(pool)
         assert (w0.scraped.running, w0.scraped.waiting, w0.scraped.kv_usage) == (5, 2, 0.4)
         assert w0.scraped.block_size == 16 and not w0.scraped.block_size_mismatch
@@ -192,10 +214,7 @@ async def test_fresh_scrape_fills_the_load_view(engines: list[FakeEngine]) -> No
         assert w1.scraped.num_gpu_blocks == 160000 // 16  # tokens → our blocks
         # Values follow the engine on the next rounds.
         engines[0].waiting = 9
-        for _ in range(100):
-            if w0.scraped.waiting == 9:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: w0.scraped.waiting == 9, "the new value")
         assert w0.scraped.waiting == 9
         assert fresh_scrape(w0.scraped, scraper.clock(), scraper.config.load.stale_after_s)
     finally:
@@ -206,34 +225,37 @@ async def test_fresh_scrape_fills_the_load_view(engines: list[FakeEngine]) -> No
 async def test_failing_and_stale_scrapes_are_visible_not_saturating(
     engines: list[FakeEngine], unused_tcp_port: int
 ) -> None:
-    scraper, pool = make_scraper(engines, dead_port=unused_tcp_port, stale_after_s=0.3)
+    clock = ManualClock()
+    scraper, pool = make_scraper(engines, dead_port=unused_tcp_port, clock=clock, stale_after_s=0.3)
     w0, w1, dead = list(pool)
     engines[0].waiting = 50  # would be busy if trusted
     await scraper.scrape_all()  # before start(): no session, nothing happens, never raises
     assert w0.scraped.at == 0 and w0.scraped.attempts == 0
     await scraper.start()
     try:
-        for _ in range(100):
-            if w0.scraped.waiting == 50:
-                break
-            await asyncio.sleep(0.02)
-        assert w0.scraped.waiting == 50
+        await until(lambda: w0.scraped.waiting == 50, "a good scrape")
         engines[0].mode = "error"
         engines[1].mode = "garbage"
-        # Wait (bounded, no fixed sleep) for several failed rounds and > stale_after_s
-        # since the good one.
-        for _ in range(250):
+        clock.t += 1.0  # the good scrape is now older than stale_after_s, by the clock
+        hits = engines[0].hits
+
+        def failed_rounds() -> bool:
             view = {v["endpoint"]: v for v in scraper.view()}
-            v0 = view[w0.endpoint]["scrape"]
-            rounds = v0["consecutive_failures"] >= 3 and v0["age_s"] > 0.3
-            # The gauges are set by a scrape round: wait for one after the data went stale.
-            stale = gauge("kv_scorer_scrape_stale", w0.endpoint) == 1
-            others = view[w1.endpoint]["scrape"]["error"] and view[dead.endpoint]["scrape"]["error"]
-            if rounds and stale and others:
-                break
-            await asyncio.sleep(0.02)
+            return bool(
+                # three failed rounds, all after the clock moved
+                view[w0.endpoint]["scrape"]["consecutive_failures"] >= 3
+                and engines[0].hits >= hits + 3
+                # the gauges are set by a scrape round after the data went stale
+                and gauge("kv_scorer_scrape_stale", w0.endpoint) == 1
+                and view[w1.endpoint]["scrape"]["error"]
+                and view[dead.endpoint]["scrape"]["error"]
+            )
+
+        await until(failed_rounds, "failed rounds on every worker")
+        view = {v["endpoint"]: v for v in scraper.view()}
+        v0 = view[w0.endpoint]["scrape"]
         assert v0["fresh"] is False and v0["error"] == "HTTP 500"
-        assert v0["consecutive_failures"] >= 3 and v0["age_s"] > 0.3
+        assert v0["consecutive_failures"] >= 3 and v0["age_s"] >= 1.0
         assert view[w1.endpoint]["scrape"]["error"].startswith("bad metrics page")
         assert "ConnectionRefused" in (view[dead.endpoint]["scrape"]["error"] or "") or (
             view[dead.endpoint]["scrape"]["error"] or ""
@@ -244,10 +266,7 @@ async def test_failing_and_stale_scrapes_are_visible_not_saturating(
         assert (gauge("kv_scorer_scrape_consecutive_failures", w0.endpoint) or 0) >= 3
         # Recovery: the next good scrape is fresh again and the failure count resets.
         engines[0].mode = "ok"
-        for _ in range(100):
-            if w0.scraped.failures == 0:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: w0.scraped.failures == 0, "a good scrape again")
         assert w0.scraped.failures == 0 and w0.scraped.error is None
         assert fresh_scrape(w0.scraped, scraper.clock(), 0.3)
     finally:
@@ -255,8 +274,8 @@ async def test_failing_and_stale_scrapes_are_visible_not_saturating(
 
 
 async def test_slow_engine_times_out(engines: list[FakeEngine]) -> None:
-    engines[0].mode = "slow"
-    scraper, pool = make_scraper(engines[:1])
+    engines[0].mode = "slow"  # answers after 0.6 s, the timeout is 0.3 s
+    scraper, pool = make_scraper(engines[:1], scrape_timeout_s=0.3)
     await scraper.start()
     try:
         w = next(iter(pool))

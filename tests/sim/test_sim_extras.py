@@ -90,7 +90,7 @@ async def test_client_disconnect_frees_the_request() -> None:
                 assert len(w.engine.running) == 1
                 assert w.engine.cache.pinned_blocks > 0
             # leaving the block closes the connection mid-stream
-        for _ in range(200):
+        for _ in range(3000):  # bounded (~30 s) for a loaded machine
             if not w.engine.running and w.engine.cache.pinned_blocks == 0:
                 break
             await asyncio.sleep(0.01)

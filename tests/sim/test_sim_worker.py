@@ -117,7 +117,7 @@ async def test_waiting_queue_over_max_num_seqs() -> None:
         body = {"prompt": list(range(1, 30)), "max_tokens": 10}
         tasks = [asyncio.create_task(_post(w, "/v1/completions", body)) for _ in range(4)]
         seen = None
-        for _ in range(200):  # bounded wait for the queue to form
+        for _ in range(6000):  # bounded wait for the queue to form
             m = await _metrics(w)
             seen = (_value(m, "vllm:num_requests_running"), _value(m, "vllm:num_requests_waiting"))
             if seen == (2, 2):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -209,14 +209,26 @@ def test_message_and_tool_normalization() -> None:
 @pytest.mark.slow
 async def test_huge_prompt_does_not_stall_a_tiny_one() -> None:
     t = make_tokens({"qwen3": QWEN3}, threads=2, segment_cache_bytes=0)
+    # The huge prompt is held inside the tokenizer thread until the test lets it go, so
+    # "the tiny one finishes while the huge one is in the tokenizer" holds by construction,
+    # not by how fast this machine is.
+    in_tokenizer, release = threading.Event(), threading.Event()
+    real = t.tokenize_body
+
+    def gated(model: Any, body: dict[str, Any], **kw: Any) -> Any:
+        if len(body.get("prompt", "")) > 1000:
+            in_tokenizer.set()
+            assert release.wait(60), "the test never released the huge prompt"
+        return real(model, body, **kw)
+
+    t.tokenize_body = gated  # type: ignore[method-assign]
     try:
         # ~ 600k characters of varied text: hundreds of milliseconds in the tokenizer.
         huge_text = " ".join(f"word{i} lorem ipsum {i * 7919 % 1000}" for i in range(40_000))
         huge = RoutingRequest(request_id="huge", model="qwen3", body={"prompt": huge_text})
         tiny = RoutingRequest(request_id="tiny", model="qwen3", body={"prompt": "hello"})
-        t0 = time.perf_counter()
         huge_task = asyncio.create_task(t.prepare(huge))
-        await asyncio.sleep(0.01)  # the huge one is in the tokenizer now
+        assert await asyncio.to_thread(in_tokenizer.wait, 60)  # the huge one is in a thread
         ticks = 0
 
         async def ticker() -> None:
@@ -226,17 +238,19 @@ async def test_huge_prompt_does_not_stall_a_tiny_one() -> None:
                 await asyncio.sleep(0.005)
 
         tick_task = asyncio.create_task(ticker())
-        await t.prepare(tiny)
-        tiny_done = time.perf_counter()
-        assert not huge_task.done()  # the tiny one finished first
-        await huge_task
-        huge_done = time.perf_counter()
-        await tick_task
+        await t.prepare(tiny)  # the other thread serves it meanwhile
         assert tiny.token_ids == [14990]
+        for _ in range(6000):  # the event loop keeps running (bounded wait, ~30 s)
+            if ticks >= 3:
+                break
+            await asyncio.sleep(0.005)
+        assert ticks >= 3 and not huge_task.done()
+        release.set()
+        await huge_task
+        await tick_task
         assert huge.prompt_tokens > 100_000
-        assert tiny_done - t0 < huge_done - t0
-        assert ticks >= 3  # the event loop kept running while the huge one tokenized
     finally:
+        release.set()
         t.close()
 
 

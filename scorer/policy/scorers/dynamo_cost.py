@@ -87,6 +87,7 @@ class DynamoCost(Scorer):
             cycle.request_blocks,
             self.options,
             stale,
+            cycle.duplicate_blocks,
         )
         cycle.cost_rows = rows
         cycle.stale_any = stale_any

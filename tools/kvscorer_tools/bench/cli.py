@@ -39,7 +39,20 @@ def register(subparsers: Any) -> None:
             "workers, plus peer routers when installed (pip install -e './tools[peers]')."
         ),
     )
-    p.add_argument("--workload", default="mooncake-conversation", choices=sorted(WORKLOADS))
+    p.add_argument(
+        "--workload",
+        default=None,
+        choices=sorted(WORKLOADS),
+        help="named workload (default mooncake-conversation; trace = --trace FILE)",
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="replay your own trace in the Mooncake format (JSON lines: timestamp ms, "
+        "input_length, output_length, hash_ids, optional block_tokens and session_id); "
+        "implies --workload trace",
+    )
     p.add_argument("--mode", default="replay", choices=["replay", "e2e"])
     p.add_argument("--out", default="bench/out/routing", help="output directory")
     p.add_argument("--workers", type=int, default=8, help="simulated workers (default 8)")
@@ -145,6 +158,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
         "workload_params": parse_params(args.param),
+        "trace": args.trace,
     }
 
 
@@ -238,7 +252,16 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             known = ", ".join([*known_policies, *PEERS])
             raise ValueError(f"unknown policies {', '.join(unknown)} (known: {known})")
-        wl = load_workload(args.workload, seed=args.seed, **parse_params(args.param))
+        params = parse_params(args.param)
+        if args.trace is not None:
+            if args.workload not in (None, "trace"):
+                raise ValueError(f"--trace and --workload {args.workload} are exclusive")
+            args.workload = "trace"
+            params["path"] = args.trace
+        elif args.workload == "trace":
+            raise ValueError("--workload trace needs --trace FILE")
+        args.workload = args.workload or "mooncake-conversation"
+        wl = load_workload(args.workload, seed=args.seed, **params)
     except ValueError as e:
         print(f"kv-scorer bench: {e}", file=sys.stderr)
         return 2

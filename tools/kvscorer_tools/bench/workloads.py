@@ -24,12 +24,26 @@ Workloads:
   to ``input_length``, so the last block is usually partial, as in the trace).
 * ``chat``: multi-turn sessions for the ``session`` policy (the demo's chat workload):
   each turn's prompt is the previous turn's prompt plus a reply and a new user message.
+* ``agentic``: coding-agent sessions (ours, shaped after coding agents' loops): a shared
+  agent system prompt and tool definitions, a task, then turns that each append the
+  model's reply (a tool call) and the tool's result, from ~20k to up to 200k tokens;
+  tool runs of seconds to minutes between turns, sub-agents that share the parent's
+  system prompt and tools, many sessions at once.
+* ``rag``: retrieval-augmented chat (ours): a few long application system prompts,
+  passages drawn from a corpus with a Zipf popularity skew, short user questions and
+  short follow-up turns.
+* ``trace``: any trace in the Mooncake format (``--trace FILE``): one JSON object a line
+  with ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids``, optional
+  ``block_tokens`` (tokens one hash id stands for, default 512) and optional
+  ``session_id`` (sent as the session header).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
+import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +64,8 @@ TOKEN_HI = 31000
 _SYSTEM = 1 << 40
 _QUESTION = 2 << 40
 _TURN = 3 << 40
+_AGENT = 4 << 40
+_RAG = 5 << 40
 
 
 def segment_tokens(segment: int, length: int, start: int = 0) -> npt.NDArray[np.uint32]:
@@ -301,34 +317,81 @@ def default_trace_path() -> Path:
 
 
 def read_mooncake(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """The trace's rows; raises ValueError naming the line on a malformed row."""
+    """A Mooncake-format trace's rows; ValueError naming the file and line on a bad row.
+
+    Each row: ``timestamp`` (ms, int or float), ``input_length``, ``output_length``,
+    ``hash_ids`` (a list of ints), optional ``block_tokens`` (tokens one hash id stands
+    for, default 512) and optional ``session_id`` (string or int).
+    """
     p = Path(path) if path is not None else default_trace_path()
     rows = []
-    with p.open() as f:
+    try:
+        f = p.open()
+    except OSError as e:
+        raise ValueError(f"trace {p}: {e.strerror or e}") from e
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-                ts, n_in, n_out = (
-                    int(row["timestamp"]),
-                    int(row["input_length"]),
-                    int(row["output_length"]),
-                )
-                hids = [int(h) for h in row["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{p}:{lineno}: not a Mooncake trace row: {e}") from e
-            if n_in <= 0 or n_in > len(hids) * MOONCAKE_BLOCK:
-                raise ValueError(
-                    f"{p}:{lineno}: input_length {n_in} does not fit {len(hids)} hash ids"
-                )
-            rows.append({"timestamp": ts, "input": n_in, "output": n_out, "hash_ids": hids})
+            rows.append(_trace_row(p, lineno, line))
+    if not rows:
+        raise ValueError(f"trace {p}: no requests")
     return rows
 
 
-def mooncake_conversation(seed: int = 0, path: str | Path | None = None) -> Workload:
-    """The Mooncake conversation trace; `seed` is unused (the trace is the trace)."""
+def _trace_row(p: Path, lineno: int, line: str) -> dict[str, Any]:
+    where = f"{p}:{lineno}"
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON: {e}") from e
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    required = ("timestamp", "input_length", "output_length", "hash_ids")
+    missing = [k for k in required if k not in row]
+    if missing:
+        raise ValueError(f"{where}: not a Mooncake trace row: missing {', '.join(missing)}")
+    hids = row["hash_ids"]
+    try:
+        ts = float(row["timestamp"])
+        n_in, n_out = _int(row["input_length"]), _int(row["output_length"])
+        bt = _int(row.get("block_tokens", MOONCAKE_BLOCK))
+        if not isinstance(hids, list):
+            raise TypeError("hash_ids must be a list")
+        hids = [_int(h) for h in hids]
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: not a Mooncake trace row: {e}") from e
+    if not math.isfinite(ts) or ts < 0:
+        raise ValueError(f"{where}: timestamp {row['timestamp']!r} is not a time in ms")
+    if bt < 1:
+        raise ValueError(f"{where}: block_tokens {bt} must be >= 1")
+    if n_out < 0:
+        raise ValueError(f"{where}: output_length {n_out} must be >= 0")
+    if n_in <= 0 or n_in > len(hids) * bt:
+        raise ValueError(f"{where}: input_length {n_in} does not fit {len(hids)} hash ids")
+    sid = row.get("session_id")
+    if sid is not None and not isinstance(sid, (str, int)):
+        raise ValueError(f"{where}: session_id must be a string or an integer")
+    return {
+        "timestamp": ts,
+        "input": n_in,
+        "output": n_out,
+        "hash_ids": hids,
+        "block_tokens": bt,
+        "session": None if sid is None else str(sid),
+    }
+
+
+def _int(v: Any) -> int:
+    # JSON numbers only: bool is an int in Python and "12" is not a number in the trace.
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+        raise TypeError(f"{v!r} is not an integer")
+    return int(v)
+
+
+def _from_trace(name: str, path: str | Path | None, params: dict[str, Any]) -> Workload:
     rows = read_mooncake(path)
+    t0 = min(row["timestamp"] for row in rows)
     reqs = []
     hids: list[tuple[int, ...]] = []
     for i, row in enumerate(rows):
@@ -336,22 +399,193 @@ def mooncake_conversation(seed: int = 0, path: str | Path | None = None) -> Work
         reqs.append(
             BenchRequest(
                 index=i,
-                arrival_s=row["timestamp"] / 1000.0,  # the trace's timestamps are in ms
+                arrival_s=(row["timestamp"] - t0) / 1000.0,  # the trace's timestamps are in ms
                 prompt_tokens=row["input"],
                 output_tokens=max(int(row["output"]), 1),
-                group=str(h[0]) if h else "",
-                segments=tuple((hid, MOONCAKE_BLOCK) for hid in h),
+                group=row["session"] or (str(h[0]) if h else ""),
+                segments=tuple((hid, row["block_tokens"]) for hid in h),
+                session=row["session"],
             )
         )
         hids.append(h)
-    # The trace is already in timestamp order; a stable sort keeps ties in file order.
+    # Traces are usually in timestamp order; a stable sort keeps ties in file order.
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
     reqs = [reqs[i] for i in order]
     hids = [hids[i] for i in order]
     for i, r in enumerate(reqs):
         r.index = i
+    return Workload(name, reqs, params, hids)
+
+
+def mooncake_conversation(seed: int = 0, path: str | Path | None = None) -> Workload:
+    """The Mooncake conversation trace; `seed` is unused (the trace is the trace)."""
     params = {"trace": "conversation_trace.jsonl", "segment_tokens": MOONCAKE_BLOCK}
-    return Workload("mooncake-conversation", reqs, params, hids)
+    return _from_trace("mooncake-conversation", path, params)
+
+
+def trace(seed: int = 0, path: str | None = None) -> Workload:
+    """Any Mooncake-format trace (`--trace FILE`); `seed` is unused."""
+    if not path:
+        raise ValueError("workload trace: needs a file (--trace FILE)")
+    return _from_trace("trace", path, {"trace": str(path)})
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: float) -> float:
+    return min(max(rng.lognormvariate(math.log(median), sigma), lo), hi)
+
+
+def agentic(
+    seed: int = 0,
+    sessions: int = 40,
+    agents: int = 2,
+    system_tokens: int = 12_000,
+    tools_tokens: int = 6_000,
+    min_context: int = 20_000,
+    max_context: int = 200_000,
+    tool_result_tokens: float = 2_500.0,
+    reply_tokens: float = 250.0,
+    tool_s: float = 8.0,
+    user_turn_prob: float = 0.08,
+    user_think_s: float = 90.0,
+    subagent_prob: float = 0.06,
+    subagent_turns: int = 8,
+    start_window_s: float = 600.0,
+    decode_s_per_token: float = 0.02,
+) -> Workload:
+    """Coding-agent sessions: contexts grow from ~`min_context` to up to `max_context`.
+
+    Session = agent system prompt + tool definitions (one pair per agent kind, shared by
+    every session of that kind) + a task (~`min_context` in all), then turns: each turn's
+    prompt is the previous one plus the model's reply (a tool call, lognormal around
+    `reply_tokens`) and the tool's result (lognormal around `tool_result_tokens`). The
+    next turn arrives after the reply's generation (`decode_s_per_token` a token) and the
+    tool's run (lognormal around `tool_s`, 1 s to 5 min) — or, with `user_turn_prob`,
+    after a user's reply (exponential, mean `user_think_s`). Each session stops at a
+    context drawn log-uniformly in [2 x `min_context`, `max_context`]. With
+    `subagent_prob` a turn spawns a sub-agent (the same system prompt and tools, its own
+    task, up to `subagent_turns` turns) whose summary is the parent's next tool result.
+    Sessions start uniformly over `start_window_s`; every request carries its session id.
+    """
+    rng = random.Random(seed)
+    seg_ids = itertools.count(_AGENT + (seed << 32))
+    reqs: list[BenchRequest] = []
+    subs: dict[str, int] = {}
+
+    def run(sid: str, segs: list[tuple[int, int]], t: float, stop: int, turns: int) -> float:
+        """Append a session's turns from time `t`; the time its last reply is done."""
+        ctx = sum(n for _, n in segs)
+        done_at = t
+        for _turn in range(turns):
+            out = int(_lognormal(rng, reply_tokens, 0.8, 20, 4_000))
+            reqs.append(BenchRequest(0, t, ctx, out, sid, tuple(segs), session=sid))
+            done_at = t + out * decode_s_per_token
+            segs.append((next(seg_ids), out))
+            if ctx >= stop:
+                break
+            if sid.count("/") == 0 and rng.random() < subagent_prob:
+                subs[sid] = subs.get(sid, 0) + 1
+                sub_sid = f"{sid}/sub{subs[sid]}"
+                sub_segs = [*segs[:2], (next(seg_ids), int(rng.uniform(1_000, 4_000)))]
+                sub_stop = min(stop, int(min_context * 3))
+                t_end = run(sub_sid, sub_segs, done_at + 1.0, sub_stop, subagent_turns)
+                result = int(_lognormal(rng, 1_000, 0.5, 200, 4_000))
+                t = t_end + 1.0
+            elif rng.random() < user_turn_prob:
+                result = int(rng.uniform(30, 400))
+                t = done_at + rng.expovariate(1.0 / user_think_s)
+            else:
+                result = int(_lognormal(rng, tool_result_tokens, 1.0, 50, 30_000))
+                t = done_at + _lognormal(rng, tool_s, 1.2, 1.0, 300.0)
+            segs.append((next(seg_ids), result))
+            ctx += out + result
+            if ctx > max_context:  # the agent compacts or stops before the window is full
+                break
+        return done_at
+
+    systems = [(next(seg_ids), system_tokens) for _ in range(agents)]
+    tools = [(next(seg_ids), tools_tokens) for _ in range(agents)]
+    for s in range(sessions):
+        kind = s % agents
+        start = rng.uniform(0.0, start_window_s)
+        task = max(min_context - system_tokens - tools_tokens, 100) + int(rng.uniform(0, 4_000))
+        stop = int(math.exp(rng.uniform(math.log(2 * min_context), math.log(max_context))))
+        segs = [systems[kind], tools[kind], (next(seg_ids), task)]
+        run(f"agent-{seed}-{s}", segs, start, stop, 10_000)
+    params = dict(
+        seed=seed, sessions=sessions, agents=agents, system_tokens=system_tokens,
+        tools_tokens=tools_tokens, min_context=min_context, max_context=max_context,
+        tool_result_tokens=tool_result_tokens, reply_tokens=reply_tokens, tool_s=tool_s,
+        user_turn_prob=user_turn_prob, user_think_s=user_think_s,
+        subagent_prob=subagent_prob, subagent_turns=subagent_turns,
+        start_window_s=start_window_s, decode_s_per_token=decode_s_per_token,
+    )  # fmt: skip
+    return _finish("agentic", reqs, params)
+
+
+def rag(
+    seed: int = 0,
+    queries: int = 2_000,
+    rate: float = 4.0,
+    apps: int = 3,
+    system_tokens: int = 4_000,
+    corpus: int = 5_000,
+    passages: int = 8,
+    passage_tokens: int = 500,
+    zipf: float = 1.1,
+    question_tokens: int = 60,
+    output_tokens: int = 200,
+    followup_prob: float = 0.3,
+    think_s: float = 20.0,
+) -> Workload:
+    """Retrieval-augmented chat: app system prompt + retrieved passages + a short question.
+
+    `apps` applications, each with its own long system prompt (0.5-1.5 x `system_tokens`)
+    and corpus of `corpus` passages (0.5-1.5 x `passage_tokens` each); app i is chosen
+    with weight 1/(i+1). A query retrieves `passages` distinct passages drawn with Zipf
+    popularity (weight rank^-`zipf`), in the order drawn (so popular passages tend to come
+    first), then a short question (~`question_tokens`). Queries arrive as a Poisson
+    process at `rate`/s; with `followup_prob` (again after each follow-up) the user asks a
+    short follow-up `think_s` (exponential) after the answer: the previous prompt + the
+    answer + the new question. Every request carries its session id.
+    """
+    rng = random.Random(seed)
+    nprng = np.random.default_rng(seed)
+    seg_ids = itertools.count(_RAG + (seed << 32))
+    sys_segs = [(next(seg_ids), int(system_tokens * rng.uniform(0.5, 1.5))) for _ in range(apps)]
+    base = next(seg_ids)
+    for _ in range(apps * corpus):  # reserve the passages' segment ids
+        next(seg_ids)
+    lengths = [max(int(passage_tokens * rng.uniform(0.5, 1.5)), 1) for _ in range(corpus)]
+    weights = np.arange(1, corpus + 1, dtype=np.float64) ** -zipf
+    weights /= weights.sum()
+    app_w = [1.0 / (i + 1) for i in range(apps)]
+    k = min(passages, corpus)
+    reqs: list[BenchRequest] = []
+    t = 0.0
+    for q in range(queries):
+        t += rng.expovariate(rate)
+        app = rng.choices(range(apps), app_w)[0]
+        picked = nprng.choice(corpus, size=k, replace=False, p=weights)
+        segs = [sys_segs[app]]
+        segs += [(base + app * corpus + int(p), lengths[int(p)]) for p in picked]
+        sid = f"rag-{seed}-{q}"
+        at = t
+        while True:
+            segs.append((next(seg_ids), max(int(rng.uniform(0.5, 1.5) * question_tokens), 1)))
+            out = max(int(rng.uniform(0.5, 1.5) * output_tokens), 1)
+            ctx = sum(n for _, n in segs)
+            reqs.append(BenchRequest(0, at, ctx, out, sid, tuple(segs), session=sid))
+            if rng.random() >= followup_prob:
+                break
+            segs.append((next(seg_ids), out))
+            at += out * 0.02 + rng.expovariate(1.0 / think_s)
+    params = dict(
+        seed=seed, queries=queries, rate=rate, apps=apps, system_tokens=system_tokens,
+        corpus=corpus, passages=passages, passage_tokens=passage_tokens, zipf=zipf,
+        question_tokens=question_tokens, output_tokens=output_tokens,
+        followup_prob=followup_prob, think_s=think_s,
+    )  # fmt: skip
+    return _finish("rag", reqs, params)
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -359,6 +593,9 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "prefix-groups": prefix_groups,
     "mooncake-conversation": mooncake_conversation,
     "chat": chat,
+    "agentic": agentic,
+    "rag": rag,
+    "trace": trace,
 }
 
 
@@ -389,7 +626,8 @@ def oracle_block_hit_rate(workload: Workload, block_size: int) -> float:
     if workload.hash_ids is not None:
         chains = iter(workload.hash_ids)
     else:
-        chains = (_block_ids(r, block_size) for r in workload.requests)
+        intern: dict[Any, int] = {}
+        chains = (_block_ids(r, block_size, intern) for r in workload.requests)
     for chain in chains:
         k = 0
         for b in chain:
@@ -402,19 +640,31 @@ def oracle_block_hit_rate(workload: Workload, block_size: int) -> float:
     return hit / total if total else 0.0
 
 
-def _block_ids(r: BenchRequest, block_size: int) -> tuple[Any, ...]:
+def _block_ids(r: BenchRequest, block_size: int, intern: dict[Any, int]) -> tuple[int, ...]:
     # A full block is identified by the whole prefix up to its end (prefix caching):
-    # the tuple of (segment, length) pairs it covers, which is hashable and exact.
+    # (id of the previous block, the segment pieces this block covers), interned to an int,
+    # so identity is exact and the cost is linear in the prompt.
     out = []
-    for b in range(r.prompt_tokens // block_size):
-        end = (b + 1) * block_size
-        prefix: list[tuple[int, int]] = []
-        acc = 0
-        for s, n in r.segments:
-            take = min(n, end - acc)
-            prefix.append((s, take))
-            acc += take
-            if acc >= end:
-                break
-        out.append(tuple(prefix))
+    prev = -1
+    segs = iter(r.segments)
+    seg, left, off = -1, 0, 0
+    for _ in range(r.prompt_tokens // block_size):
+        pieces: list[tuple[int, int, int]] = []
+        need = block_size
+        while need:
+            if not left:
+                seg, left = next(segs)
+                off = 0
+                continue
+            take = min(left, need)
+            pieces.append((seg, off, take))
+            off += take
+            left -= take
+            need -= take
+        key = (prev, tuple(pieces))
+        bid = intern.get(key)
+        if bid is None:
+            bid = intern[key] = len(intern)
+        out.append(bid)
+        prev = bid
     return tuple(out)
