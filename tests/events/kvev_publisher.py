@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,6 +19,16 @@ import zmq
 import zmq.asyncio
 
 END = b"\xff" * 8
+
+
+async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Bounded wait for a condition the subscriber reaches asynchronously."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
 
 
 def stored(

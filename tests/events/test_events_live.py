@@ -6,7 +6,6 @@ import asyncio
 import io
 import socket
 from argparse import Namespace
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -15,7 +14,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 from configs import make_config
-from kvev_publisher import Publisher, cleared, removed, stored
+from kvev_publisher import Publisher, cleared, removed, stored, until
 
 from scorer.blocks import BlockHasher, namespace_key
 from scorer.events import EventIngest
@@ -35,29 +34,10 @@ def blk(i: int, j: int | None = None) -> list[int]:
     return TOKENS[i * BS : j * BS]
 
 
-async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Bounded wait for a condition the subscriber reaches asynchronously."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    try:
-        yield c
-    finally:
-        c.term()
 
 
 def make_ingest(workers: list[dict[str, Any]], **index: Any) -> EventIngest:

@@ -4,13 +4,11 @@ subscriber reads what the worker's replay buffer keeps (real ZMQ, loopback)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import pytest
 import zmq
 import zmq.asyncio
-from kvev_publisher import Publisher, stored
+from kvev_publisher import Publisher, stored, until
 
 from scorer.blocks import BlockHasher
 from scorer.config import Config
@@ -27,24 +25,6 @@ EP = "10.0.0.1:8000"
 
 def blk(i: int) -> list[int]:
     return TOKENS[i * BS : (i + 1) * BS]
-
-
-async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Bounded wait for a condition the subscriber reaches asynchronously."""
-    end = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > end:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    try:
-        yield c
-    finally:
-        c.term()
 
 
 def ingest(pub: Publisher) -> EventIngest:
