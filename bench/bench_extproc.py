@@ -63,6 +63,12 @@ def backend_main(port: int) -> None:
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", handle)
+    serve_app(app, port)
+
+
+def serve_app(app: Any, port: int) -> None:
+    """Serve an aiohttp `app` on loopback `port` (0: any), print `PORT n`, run forever."""
+    from aiohttp import web
 
     async def run() -> None:
         runner = web.AppRunner(app, access_log=None)

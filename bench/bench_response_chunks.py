@@ -61,17 +61,7 @@ def backend_main(port: int, chunks: int) -> None:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handle)
-
-    async def run() -> None:
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", port)
-        await site.start()
-        p = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        print(f"PORT {p}", flush=True)
-        await asyncio.Event().wait()
-
-    asyncio.run(run())
+    bx.serve_app(app, port)
 
 
 async def one_stream(port: int) -> list[float]:
