@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -165,21 +165,35 @@ def chat_body(target_tokens: int, tokens: Tokenization) -> dict[str, Any]:
         n_words = int(n_words * target_tokens / n)
 
 
-async def bench_whole(iterations: int) -> dict[str, Any]:
-    cfg = config(8, tokens={"models": {"qwen3": {"tokenizer": str(TOKENIZER)}}})
+class Rig(NamedTuple):
+    """A director over a real pool, index and (started) tokenization; stop `tokens` after."""
+
+    pool: Pool
+    index: BlockIndex
+    tokens: Tokenization
+    director: Director
+
+
+async def build_rig(cfg: Config, policy_name: str, seed: int) -> Rig:
+    """Wire `policy_name` into a director the way the app does, with a seeded rng."""
     pool = Pool.from_config(cfg)
-    hasher = BlockHasher(BLOCK, cfg.index.hash)
+    hasher = BlockHasher(cfg.pool.block_size, cfg.index.hash)
     index = BlockIndex(cfg.index)
     tokens = Tokenization(cfg, hasher)
     await tokens.start()
     ctx = PolicyContext(
         pool=pool,
         config=cfg,
-        rng=random.Random(2),
+        rng=random.Random(seed),
         parts=Parts(index=index, tokens=tokens, hasher=hasher),
     )
-    policy = build_policy("kv", ctx, {})
-    director = Director(cfg, pool, policy, DecisionLog(1000), tokens)
+    policy = build_policy(policy_name, ctx, {})
+    return Rig(pool, index, tokens, Director(cfg, pool, policy, DecisionLog(1000), tokens))
+
+
+async def bench_whole(iterations: int) -> dict[str, Any]:
+    cfg = config(8, tokens={"models": {"qwen3": {"tokenizer": str(TOKENIZER)}}})
+    pool, index, tokens, director = await build_rig(cfg, "kv", seed=2)
     body = chat_body(8192, tokens)
     raw = msgspec.json.encode(body)
     # Warm: the conversation so far is cached on one worker (as its BlockStored events

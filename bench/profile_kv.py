@@ -31,16 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_overhead import KINDS, prompts, request_bytes, write_vocab_tokenizer  # noqa: E402
+from bench_policy import build_rig  # noqa: E402
 
-from scorer.blocks import BlockHasher  # noqa: E402
 from scorer.config import Config  # noqa: E402
-from scorer.decisions import DecisionLog  # noqa: E402
-from scorer.director import Director  # noqa: E402
-from scorer.index import BlockIndex  # noqa: E402
-from scorer.policy.base import PolicyContext, build_policy  # noqa: E402
-from scorer.policy.parts import Parts  # noqa: E402
-from scorer.pool.workers import Pool  # noqa: E402
-from scorer.tokens.service import Tokenization  # noqa: E402
 
 MODEL = "bench-model"
 
@@ -61,21 +54,7 @@ async def run_case(
             **extra,
         }
     )
-    import random
-
-    pool = Pool.from_config(cfg)
-    hasher = BlockHasher(16, cfg.index.hash)
-    index = BlockIndex(cfg.index)
-    tokens = Tokenization(cfg, hasher)
-    await tokens.start()
-    ctx = PolicyContext(
-        pool=pool,
-        config=cfg,
-        rng=random.Random(1),
-        parts=Parts(index=index, tokens=tokens, hasher=hasher),
-    )
-    policy = build_policy(policy_name, ctx, {})
-    director = Director(cfg, pool, policy, DecisionLog(1000), tokens)
+    _pool, _index, tokens, director = await build_rig(cfg, policy_name, seed=1)
     bodies = []
     for p in prompts(64):
         raw = request_bytes(p, kind, 512)
