@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import sys
 
@@ -16,9 +15,8 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-READY = re.compile(rb"ext_proc=[\d.]+:(\d+) health=[\d.]+:(\d+) admin=[\d.]+:(\d+)")
+from grpc_health.v1 import health_pb2_grpc
+from serve_proc import health_status, serve_ports
 
 
 def request_msgs() -> list[ep.ProcessingRequest]:
@@ -30,11 +28,6 @@ def request_msgs() -> list[ep.ProcessingRequest]:
     b.request_body.body = json.dumps({"model": "m", "prompt": "hi"}).encode()
     b.request_body.end_of_stream = True
     return [h, b]
-
-
-async def status(stub: health_pb2_grpc.HealthStub, name: str) -> str:
-    r = await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
 
 
 @pytest.mark.slow
@@ -50,21 +43,14 @@ async def test_sigterm_drains_then_exits_zero() -> None:
     )  # fmt: skip
     assert proc.stderr is not None
     try:
-        m = None
-        for _ in range(50):
-            line = await asyncio.wait_for(proc.stderr.readline(), 20)
-            m = READY.search(line)
-            if m or not line:
-                break
-        assert m, "serve did not report its ports"
-        xp, hp, ap = (int(g) for g in m.groups())
+        xp, hp, ap = await serve_ports(proc.stderr, 20)
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{xp}") as xch,
             grpc.aio.insecure_channel(f"127.0.0.1:{hp}") as hch,
             aiohttp.ClientSession() as http,
         ):
             health = health_pb2_grpc.HealthStub(hch)
-            assert await status(health, "readiness") == "SERVING"
+            assert await health_status(health, "readiness") == "SERVING"
             stub = ep_grpc.ExternalProcessorStub(xch)
             # A: still in its request phase (headers sent, body not yet).
             a = stub.Process()
@@ -80,11 +66,11 @@ async def test_sigterm_drains_then_exits_zero() -> None:
 
             proc.send_signal(signal.SIGTERM)
             for _ in range(1500):  # readiness goes down first
-                if await status(health, "readiness") == "NOT_SERVING":
+                if await health_status(health, "readiness") == "NOT_SERVING":
                     break
                 await asyncio.sleep(0.02)
-            assert await status(health, "readiness") == "NOT_SERVING"
-            assert await status(health, "liveness") == "SERVING"
+            assert await health_status(health, "readiness") == "NOT_SERVING"
+            assert await health_status(health, "liveness") == "SERVING"
             async with http.get(f"http://127.0.0.1:{ap}/readyz") as r:
                 assert r.status == 503
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -14,15 +13,9 @@ import aiohttp
 import grpc
 import pytest
 from fake_kube import POOLS, FakeKubeAPI, inference_pool, kubeconfig, pod
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from k8s_helpers import until
-
-READY = re.compile(rb"ext_proc=[\d.]+:(\d+) health=[\d.]+:(\d+) admin=[\d.]+:(\d+)")
-
-
-async def _status(stub: health_pb2_grpc.HealthStub, name: str) -> str:
-    r = await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(r.status))
+from serve_proc import health_status, serve_ports
 
 
 @pytest.mark.slow
@@ -40,14 +33,7 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.stderr is not None
     try:
-        m = None
-        for _ in range(50):
-            line = await asyncio.wait_for(proc.stderr.readline(), 30)
-            m = READY.search(line)
-            if m or not line:
-                break
-        assert m, "serve did not report its ports"
-        _, hp, ap = (int(g) for g in m.groups())
+        _, hp, ap = await serve_ports(proc.stderr, 30)
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{hp}") as hch,
             aiohttp.ClientSession() as http,
@@ -55,18 +41,18 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
             health = health_pb2_grpc.HealthStub(hch)
             await until(lambda: "LIST inference.networking.k8s.io/inferencepools" in api.requests)
             # No InferencePool yet: alive, not ready.
-            assert await _status(health, "liveness") == "SERVING"
-            assert await _status(health, "readiness") == "NOT_SERVING"
+            assert await health_status(health, "liveness") == "SERVING"
+            assert await health_status(health, "readiness") == "NOT_SERVING"
             async with http.get(f"http://127.0.0.1:{ap}/readyz") as r:
                 assert r.status == 503
             api.put("pods", pod("vllm-0", "10.1.0.1"))
             api.put("pods", pod("vllm-1", "10.1.0.2", ready=False))
             api.put(POOLS, inference_pool("vllm", {"app": "vllm"}, [8000]))
             for _ in range(600):  # bounded (~30 s) for a loaded machine
-                if await _status(health, "readiness") == "SERVING":
+                if await health_status(health, "readiness") == "SERVING":
                     break
                 await asyncio.sleep(0.05)
-            assert await _status(health, "readiness") == "SERVING"
+            assert await health_status(health, "readiness") == "SERVING"
 
             async def workers() -> set[str]:
                 async with http.get(f"http://127.0.0.1:{ap}/debug/pool") as r:
