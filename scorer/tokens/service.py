@@ -113,6 +113,8 @@ class PromptTooLarge(TokenizeError):
     """The prompt is over the per-request budget (`tokens.max_prompt_tokens` or
     `tokens.max_tokenize_bytes`): refused with 413, never routed by load."""
 
+    status = 413
+
 
 @dataclass(slots=True)
 class TokenizedPrompt:
@@ -423,7 +425,10 @@ class Tokenization:
         if len(ids) > self.max_prompt_tokens:
             # Counted before any id is checked or hashed (cheap).
             raise PromptTooLarge(self._tokens_message(len(ids)))
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        # One C-level pass over the types (a per-id isinstance generator cost ~10x more);
+        # JSON gives int, float, str, bool, ...: only int is a token id (bool is an int
+        # subclass, so `type` and not `isinstance`).
+        if not set(map(type, ids)) <= {int}:
             raise TokenizeError("token id prompts must be lists of integers")
         try:
             return ids_to_bytes(ids)
@@ -484,14 +489,21 @@ class Tokenization:
                 TOKENIZE_OUTCOMES.labels("over_budget").inc()
                 return
             inline = n <= INLINE_MAX_IDS
+        elif (
+            self.tokenizer_for(request.model if request.model is not None else body.get("model"))
+            is None
+        ):
+            # No tokenizer (and not ids): nothing to do but count it — the load fallback
+            # must cost no thread hop (prepare_sync returns before rendering anything).
+            self.prepare_sync(request)
+            return
+        elif request.body_bytes > self.max_tokenize_bytes:
+            request.over_budget = self.bytes_message(request.body_bytes)
+            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            return
         else:
-            if request.body_bytes > self.max_tokenize_bytes and self.tokenizer_for(request.model):
-                request.over_budget = self.bytes_message(request.body_bytes)
-                TOKENIZE_OUTCOMES.labels("over_budget").inc()
-                return
             inline = 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
-        # request-supplied code: always off the loop
-        if inline and "chat_template" not in body:
+        if inline and "chat_template" not in body:  # request-supplied code: always off the loop
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
             self.prepare_sync(request)
             return

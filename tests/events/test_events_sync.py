@@ -29,7 +29,7 @@ def blk(i: int) -> list[int]:
     return TOKENS[i * BS : (i + 1) * BS]
 
 
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
     """Bounded wait for a condition the subscriber reaches asynchronously."""
     end = asyncio.get_running_loop().time() + timeout
     while not cond():
@@ -96,7 +96,7 @@ async def _restart(ctx: zmq.asyncio.Context, old: Publisher) -> Publisher:
     port = int(old.endpoint.rsplit(":", 1)[1])
     rport = int(old.replay_endpoint.rsplit(":", 1)[1])
     await old.close()
-    for _ in range(100):  # ZMQ releases the ports in its I/O thread: retry, bounded
+    for _ in range(1500):  # ZMQ releases the ports in its I/O thread: retry, bounded (~30 s)
         try:
             return Publisher(ctx, port=port, replay_port=rport)
         except zmq.ZMQError:

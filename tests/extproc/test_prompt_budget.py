@@ -106,12 +106,18 @@ async def test_debug_surfaces_answer_413_too(harness) -> None:
     h = await harness(policy="kv", tokens={**TOKENS, "max_prompt_tokens": 8})
     base = f"http://127.0.0.1:{h.app.admin_port}"
     body = {"model": "qwen3", "prompt": "Hello " * 40}
+    ids = {"model": "m", "token_ids": list(range(9))}
+    errors = []
     async with aiohttp.ClientSession() as s:
-        async with s.post(base + "/debug/tokenize", json=body) as r:
-            assert r.status == 413
-            err = (await r.json())["error"]
-        async with s.post(base + "/debug/score", json=body) as r:
-            doc = await r.json()
-    assert err["code"] == "prompt_too_large" and "tokens.max_prompt_tokens" in err["message"]
-    assert doc["decision"]["status"] == 413 and doc["decision"]["reason"] == "prompt_too_large"
+        for path, b in (("/debug/tokenize", body), ("/debug/score", body), ("/debug/score", ids)):
+            async with s.post(base + path, json=b) as r:
+                assert r.status == 413, path
+                errors.append((await r.json())["error"])
+        async with s.post(base + "/debug/score", json={**ids, "token_ids": [1] * 8}) as r:
+            assert r.status == 200
+            assert (await r.json())["decision"]["status"] == 200
+    assert errors[0]["code"] == "prompt_too_large"
+    for err in errors:
+        assert set(err) == {"message", "type", "param", "code"}
+        assert "tokens.max_prompt_tokens" in err["message"]
     assert len(h.app.pool.inflight) == 0  # dry runs: nothing in flight

@@ -38,12 +38,26 @@ async def _start(**kw: Any) -> SimWorker:
     return w
 
 
-async def _subscribe(ctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:
+async def _subscribe(ctx: zmq.asyncio.Context, w: SimWorker) -> tuple[zmq.asyncio.Socket, int]:
+    """A SUB that provably receives the worker's stream, and the seq of its next batch.
+
+    A PUB drops what it sends before the subscription reaches it (ZMQ slow joiner), so
+    empty probe batches are published until one arrives (bounded), then drained."""
+    assert w.events_endpoint is not None and w.publisher is not None
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
-    await asyncio.sleep(0.3)  # let the subscription reach the PUB socket (slow joiner)
-    return sub
+    sub.connect(w.events_endpoint)
+    for _ in range(600):  # ~30 s
+        w.publisher.publish([])
+        if await sub.poll(50):
+            break
+    else:
+        raise AssertionError("the subscription never reached the worker's PUB socket")
+    base = w.publisher.next_seq  # probes published so far; every later one arrives
+    while True:
+        _, seq, _ = await _recv(sub)
+        if seq == base - 1:
+            return sub, base
 
 
 async def _recv(sub: zmq.asyncio.Socket) -> tuple[bytes, int, list[Any]]:
@@ -74,13 +88,13 @@ async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) ->
     w = await _start()
     try:
         assert w.events_endpoint is not None and w.replay_endpoint is not None
-        sub = await _subscribe(zctx, w.events_endpoint)
+        sub, base = await _subscribe(zctx, w)
         a = list(range(1, 10))  # 2 full blocks + 1 token
         ha = [h.value for h in vllm_block_hashes(a, BS)]
         r = await _complete(w, {"prompt": a})
         assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         topic, seq, batch = await _recv(sub)
-        assert (topic, seq) == (b"", 0)
+        assert (topic, seq) == (b"", base)
         ts, events, rank = batch
         assert isinstance(ts, float) and rank == 0
         assert events == [_stored(ha, None, a[:8])]
@@ -95,7 +109,7 @@ async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) ->
         hc = [h.value for h in vllm_block_hashes(c, BS)]
         await _complete(w, {"prompt": c})
         _, seq, (_, events, _) = await _recv(sub)
-        assert seq == 1
+        assert seq == base + 1
         assert events == [
             {"type": "BlockRemoved", "block_hashes": [ha[1]], "medium": "GPU", "group_idx": 0},
             _stored(hc, None, c[:16]),
@@ -106,7 +120,7 @@ async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) ->
         hl = vllm_block_hashes(lo, BS, lora_name="sql-lora")
         await _complete(w, {"prompt": lo, "model": "sql-lora", "max_tokens": 1})
         _, seq, (_, events, _) = await _recv(sub)
-        assert seq == 2
+        assert seq == base + 2
         removed = [e for e in events if e["type"] == "BlockRemoved"]
         assert events[len(removed) :] == [
             _stored([hl[0].value], None, lo[:4], lora_id=1, lora_name="sql-lora",
@@ -116,17 +130,17 @@ async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) ->
         async with aiohttp.ClientSession() as s, s.post(f"{w.url}/reset_prefix_cache") as resp:
             assert resp.status == 200
         _, seq, (_, events, _) = await _recv(sub)
-        assert (seq, events) == (3, [{"type": "AllBlocksCleared"}])
+        assert (seq, events) == (base + 3, [{"type": "AllBlocksCleared"}])
         assert len(w.engine.cache) == 0
 
         # Replay from seq 2 over a real DEALER (0.26+ layout: topic frame).
         dealer = zctx.socket(zmq.DEALER)
         dealer.connect(w.replay_endpoint)
-        await dealer.send_multipart([b"", (2).to_bytes(8, "big")])
+        await dealer.send_multipart([b"", (base + 2).to_bytes(8, "big")])
         got = [await asyncio.wait_for(dealer.recv_multipart(), 5) for _ in range(3)]
         assert [g[:3] for g in got] == [
-            [b"", b"", (2).to_bytes(8, "big")],
-            [b"", b"", (3).to_bytes(8, "big")],
+            [b"", b"", (base + 2).to_bytes(8, "big")],
+            [b"", b"", (base + 3).to_bytes(8, "big")],
             [b"", b"", END_SEQ],
         ]
         assert msgspec.msgpack.decode(got[1][3])[1] == [{"type": "AllBlocksCleared"}]
@@ -141,12 +155,12 @@ async def test_array_era_over_the_wire(zctx: zmq.asyncio.Context) -> None:
     w = await _start(era="array", topic="kv")
     try:
         assert w.events_endpoint is not None
-        sub = await _subscribe(zctx, w.events_endpoint)
+        sub, base = await _subscribe(zctx, w)
         p = list(range(1, 6))
         await _complete(w, {"prompt": p, "max_tokens": 1})
         topic, seq, batch = await _recv(sub)
         h = vllm_block_hashes(p, BS)[0].value
-        assert (topic, seq) == (b"kv", 0)
+        assert (topic, seq) == (b"kv", base)
         assert batch[1] == [["BlockStored", [h], None, [1, 2, 3, 4], BS, None, "GPU", None,
                              [None], 0]]  # fmt: skip
         assert batch[2] == 0

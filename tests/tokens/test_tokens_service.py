@@ -59,6 +59,26 @@ async def test_token_id_prompts_need_no_tokenizer(tokens: Tokenization) -> None:
     assert salted.block_keys == BlockHasher(16).keys(ids, namespace_key(cache_salt="t"))
 
 
+async def test_no_tokenizer_is_decided_without_a_thread_hop() -> None:
+    """A long text prompt for a model without a tokenizer is the policy's load fallback:
+    answered on the loop (the thread pool is never created), as cheap as round_robin."""
+    t = make_tokens()
+    try:
+        body = {"model": "unknown", "prompt": "word " * 4000}
+        req = RoutingRequest(request_id="r", model="unknown", body=body, prompt_tokens=5000)
+        await t.prepare(req)
+        assert req.token_ids is None and req.tokenize_error is None
+        assert t._pool is None
+        # A model with a tokenizer and a long prompt still goes to the pool.
+        big = RoutingRequest(
+            request_id="r2", model="qwen3", body={"prompt": "word " * 400}, prompt_tokens=5000
+        )
+        await t.prepare(big)
+        assert big.token_ids and t._pool is not None
+    finally:
+        t.close()
+
+
 async def test_no_tokenizer_and_bad_bodies(tokens: Tokenization) -> None:
     req = RoutingRequest(request_id="r", model="unknown", body={"prompt": "hi"})
     await tokens.prepare(req)
@@ -69,6 +89,8 @@ async def test_no_tokenizer_and_bad_bodies(tokens: Tokenization) -> None:
         {"messages": [{"role": "system", "content": "x"}, {"role": "system", "content": "y"}]},
         {"prompt": 42},
         {"prompt": [1, "a"]},
+        {"prompt": [1, True]},  # bool is an int subclass, not a token id
+        {"prompt": [1, 2.0]},
         {"prompt": [-1]},
         {"nothing": True},
         {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},

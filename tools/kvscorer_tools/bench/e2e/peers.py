@@ -24,12 +24,22 @@ from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.settings import E2ESettings
 from kvscorer_tools.bench.e2e.summary import summarize
-from kvscorer_tools.bench.procs import ProcError, ProcGroup, free_port, http_get, wait_until
+from kvscorer_tools.bench.procs import Proc, ProcError, ProcGroup, free_port, http_get, wait_until
 from kvscorer_tools.bench.workloads import Workload
 
 PEERS = {
     "sglang_cache_aware": "sglang_router",
     "vllm_router_kv_aware": "vllm_router",
+}
+
+# Every peer configuration the overhead benchmark (bench/bench_overhead.py) runs:
+# name -> (module, --policy). Same launchers and flags as above; only the policy differs.
+PEER_POLICIES = {
+    "sglang_round_robin": ("sglang_router", "round_robin"),
+    "sglang_cache_aware": ("sglang_router", "cache_aware"),
+    "vllm_router_round_robin": ("vllm_router", "round_robin"),
+    "vllm_router_cache_aware": ("vllm_router", "cache_aware"),
+    "vllm_router_kv_aware": ("vllm_router", "kv_aware"),
 }
 
 
@@ -41,16 +51,26 @@ def peer_argv(name: str, fleet: SimFleet, settings: E2ESettings, port: int) -> l
     """The command line of peer `name` fronting `fleet` on `port`."""
     urls = [s.url for s in fleet.specs]
     metrics_port = str(free_port())  # both default to a fixed Prometheus port; avoid clashes
-    if name == "sglang_cache_aware":
+    module, policy = PEER_POLICIES.get(name, ("", ""))
+    if module == "sglang_router":
         return [
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *urls,
-            "--policy", "cache_aware",
+            "--policy", policy,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
             "--log-level", "warn",
         ]  # fmt: skip
-    if name == "vllm_router_kv_aware":
+    if module == "vllm_router" and policy != "kv_aware":
+        return [
+            sys.executable, "-m", "vllm_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls,
+            "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
+            "--log-level", "warning",
+        ]  # fmt: skip
+    if module == "vllm_router":
         argv = [
             sys.executable, "-m", "vllm_router.launch_router",
             "--host", "127.0.0.1", "--port", str(port),
@@ -65,7 +85,30 @@ def peer_argv(name: str, fleet: SimFleet, settings: E2ESettings, port: int) -> l
             argv += ["--kv-event-source", f"{s.url}={s.events}"]
             argv += ["--kv-event-replay-source", f"{s.url}={s.replay}"]
         return argv
-    raise PeerError(f"unknown peer {name!r} (known: {', '.join(PEERS)})")
+    raise PeerError(f"unknown peer {name!r} (known: {', '.join(PEER_POLICIES)})")
+
+
+def start_peer(
+    name: str, group: ProcGroup, fleet: SimFleet, settings: E2ESettings
+) -> tuple[Proc, str]:
+    """Start peer `name` (a PEER_POLICIES key) in front of `fleet` and wait for /health.
+
+    Returns the process and its base URL. Raises PeerError when the peer is
+    not installed or does not come up."""
+    module = PEER_POLICIES.get(name, ("", ""))[0]
+    if not module:
+        raise PeerError(f"unknown peer {name!r}")
+    if importlib.util.find_spec(module) is None:
+        raise PeerError(f"{module} is not installed (pip install -e './tools[peers]')")
+    port = free_port()
+    proc = group.start(name, peer_argv(name, fleet, settings, port))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_get(base + "/health", 1.0)[0] == 200, 90.0, name, proc)
+    except ProcError as e:
+        group.stop(proc)
+        raise PeerError(str(e)) from e
+    return proc, base
 
 
 def run_peer(

@@ -99,6 +99,10 @@ class ScorerRun:
     manager (launch + ready on enter, `close()` on exit).
     """
 
+    # Writes the tokenizer.json the scorer is configured with (a subclass may replace it:
+    # bench/bench_overhead.py uses one that knows its text prompts' words).
+    write_tokenizer = staticmethod(write_stub_tokenizer)
+
     def __init__(
         self, group: ProcGroup, fleet: SimFleet, policy: str, settings: E2ESettings
     ) -> None:
@@ -114,7 +118,7 @@ class ScorerRun:
     def launch(self) -> ScorerRun:
         """Write the config and start `kv-scorer serve` (does not wait)."""
         d = self.settings.run_dir
-        tok = write_stub_tokenizer(d / "tokenizer" / "tokenizer.json")
+        tok = self.write_tokenizer(d / "tokenizer" / "tokenizer.json")
         cfg_path = d / f"scorer-{self.policy}.yaml"
         cfg = scorer_config(self.fleet, self.policy, self.settings, tok)
         cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -1,0 +1,452 @@
+"""Overhead side by side: direct, Envoy alone, Envoy + kv-scorer, and the peer routers.
+
+    .venv/bin/python bench/bench_overhead.py               # full run (~15 min on 2 cores)
+    .venv/bin/python bench/bench_overhead.py --quick       # smoke: 4 paths, c=1/8, 1 repeat
+    .venv/bin/python bench/bench_overhead.py --paths direct,envoy,kv-scorer:kv:local
+
+Paths, all in front of the same two `kv-scorer sim --speed 1000` workers (loopback):
+
+* `direct`: the client talks to one worker (alternating per connection);
+* `envoy`: Envoy alone, round robin over both workers, no ext_proc (the `direct` listener
+  of scorer.envoyproc.render_envoy_config);
+* `kv-scorer:<policy>:<shape>`: Envoy + `kv-scorer serve` for each shipped policy, with
+  `local` = the envoy/envoy.yaml shape (response bodies not sent to the scorer) or a
+  gateway shape (scorer.envoyproc.render_gateway_config: istio / envoy-ai-gateway /
+  kgateway; response bodies FULL_DUPLEX_STREAMED, TLS to the scorer where the gateway
+  uses it). Started with the e2e harness (kvscorer_tools.bench.e2e.ScorerRun);
+* `peer:<name>`: sglang-router 0.3.2 and vllm-router 0.1.17 (round_robin, cache_aware,
+  kv_aware), started by kvscorer_tools.bench.e2e.peers. A peer that is not installed
+  (`pip install -e './tools[peers]'`) is reported as "not installed".
+
+Load: a keep-alive HTTP/1.1 client (bench_extproc.Conn), non-streaming /v1/completions
+with max_tokens 512 (ignore_eos), token-id prompts and the same prompts as text ("t<id>"
+words: the sim's tokenizer and the scorer's stub tokenizer make one token of each word);
+8 shared 256-token prefixes + a unique 32-token suffix. Per path x prompt kind x
+concurrency (1, 8, 32): `--repeats` runs of `--seconds` each; p50/p99 latency, requests/s,
+scorer CPU µs per request (utime+stime of the scorer process from /proc/PID/stat), the
+median over repeats and the spread (max - min) of each. Added latency: each repeat of a
+cell first runs the same cell `direct`, and the added p50/p99 is the median over repeats
+of (path - direct), so machine load that moves over minutes cancels. Writes
+bench/out/overhead.json and bench/out/overhead.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_extproc import Conn, cpu_seconds, pct  # noqa: E402
+
+from kvscorer_tools.bench.e2e import E2ESettings, ScorerRun, SimFleet  # noqa: E402
+from kvscorer_tools.bench.e2e import peers as peer_mod  # noqa: E402
+from kvscorer_tools.bench.e2e.settings import MODEL  # noqa: E402
+from kvscorer_tools.bench.procs import ProcGroup, free_port  # noqa: E402
+from kvscorer_tools.envoyrun import EnvoyProcess  # noqa: E402
+
+SHAPES = ("local", "istio", "envoy-ai-gateway", "kgateway")
+PEERS = tuple(peer_mod.PEER_POLICIES)
+KINDS = ("ids", "text")
+PREFIXES, PREFIX_LEN, SUFFIX_LEN, VOCAB = 8, 256, 32, 4096
+
+
+def shipped_policies() -> list[str]:
+    """The policies `kv-scorer serve --policy` accepts (scorer.policy.policy_names)."""
+    from scorer.policy import policy_names
+
+    return list(policy_names())
+
+
+def default_paths() -> list[str]:
+    paths = ["direct", "envoy"]
+    paths += [f"kv-scorer:{p}:{s}" for p in shipped_policies() for s in SHAPES]
+    return paths + [f"peer:{p}" for p in PEERS]
+
+
+QUICK_PATHS = [
+    "direct",
+    "envoy",
+    "kv-scorer:round_robin:local",
+    "kv-scorer:kv:local",
+]
+
+
+# ------------------------------------------------------------------ requests
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """`n` token-id prompts: one of PREFIXES shared prefixes + a unique suffix."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(VOCAB) for _ in range(PREFIX_LEN)] for _ in range(PREFIXES)]
+    return [
+        heads[i % PREFIXES] + [rng.randrange(VOCAB) for _ in range(SUFFIX_LEN)] for i in range(n)
+    ]
+
+
+def request_bytes(ids: list[int], kind: str, max_tokens: int) -> bytes:
+    """One keep-alive HTTP/1.1 POST of a non-streaming completion."""
+    prompt: Any = ids if kind == "ids" else " ".join(f"t{t}" for t in ids)
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": False,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+async def run_cell(
+    ports: Sequence[int], reqs: Sequence[bytes], conc: int, seconds: float
+) -> dict[str, Any]:
+    """`conc` connections (round robin over `ports`) posting `reqs` in turn for `seconds`."""
+    conns = [await Conn.open(ports[i % len(ports)]) for i in range(conc)]
+    nxt = 0
+    lat: list[float] = []
+    errors = 0
+    first_error = 0
+    try:
+        for c in conns:  # warm: connection, Envoy's upstream pool
+            await c.post(reqs[0])
+        stop_at = time.perf_counter() + seconds
+
+        async def worker(c: Conn) -> None:
+            nonlocal nxt, errors, first_error
+            while time.perf_counter() < stop_at:
+                req = reqs[nxt % len(reqs)]
+                nxt += 1
+                t0 = time.perf_counter()
+                status = await c.post(req)
+                if status == 200:
+                    lat.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+                    first_error = first_error or status
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in conns))
+        wall = time.perf_counter() - t0
+    finally:
+        for c in conns:
+            c.close()
+    return {"lat": lat, "wall": wall, "errors": errors, "first_status": first_error}
+
+
+# ------------------------------------------------------------------ paths
+
+
+class Target:
+    """A running path: the ports the client uses and the scorer's pid (for CPU)."""
+
+    def __init__(self, ports: list[int], scorer_pid: int | None = None) -> None:
+        self.ports = ports
+        self.scorer_pid = scorer_pid
+
+
+def write_vocab_tokenizer(path: Path) -> Path:
+    """A WordLevel tokenizer with the words "t0".."t<VOCAB>": text prompts tokenize to the
+    ids they were made from, as the sim's own synthetic tokenizer does."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[UNK]": VOCAB} | {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+class TokenizerScorerRun(ScorerRun):
+    """The harness's ScorerRun with a tokenizer that knows the benchmark's words."""
+
+    write_tokenizer = staticmethod(write_vocab_tokenizer)
+
+
+@contextlib.contextmanager
+def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> Iterator[Target]:
+    """Start what `path` needs, yield its Target, stop it."""
+    worker_ports = [s.port for s in fleet.specs]
+    if path == "direct":
+        yield Target(worker_ports)
+        return
+    if path == "envoy":
+        from scorer.envoyproc import render_envoy_config
+
+        cfg = render_envoy_config(
+            0, free_port(), 0, direct_backends=[s.endpoint for s in fleet.specs], direct_port=0
+        )
+        with EnvoyProcess(cfg, concurrency=1) as envoy:
+            yield Target([envoy.listener_ports["direct"]])
+        return
+    if path.startswith("kv-scorer:"):
+        _, policy, shape = path.split(":", 2)
+        settings = E2ESettings(
+            workers=len(fleet.specs),
+            block_size=16,
+            run_dir=run_dir / f"{policy}-{shape}",
+            gateway=None if shape == "local" else shape,
+            response_body_mode="NONE" if shape == "local" else "FULL_DUPLEX_STREAMED",
+        )
+        run = TokenizerScorerRun(group, fleet, policy, settings)
+        with run:
+            assert run.scorer is not None and run.envoy is not None
+            yield Target([run.envoy.listener_port], run.scorer.pid)
+        return
+    if path.startswith("peer:"):
+        name = path.split(":", 1)[1]
+        settings = E2ESettings(workers=len(fleet.specs), block_size=16, run_dir=run_dir)
+        proc, base = peer_mod.start_peer(name, group, fleet, settings)
+        try:
+            yield Target([int(base.rsplit(":", 1)[1])])
+        finally:
+            group.stop(proc)
+        return
+    raise ValueError(f"unknown path {path!r}")
+
+
+# ------------------------------------------------------------------ the run
+
+
+def summarize(samples: list[dict[str, Any]], cpu: list[float | None]) -> dict[str, Any]:
+    """Median over repeats and the spread (max - min) of each figure."""
+
+    def agg(xs: list[float]) -> tuple[float, float]:
+        return statistics.median(xs), max(xs) - min(xs)
+
+    ok = [s for s in samples if s["lat"]]
+    out: dict[str, Any] = {
+        "requests": sum(len(s["lat"]) for s in samples),
+        "errors": sum(s["errors"] for s in samples),
+    }
+    if not ok:
+        out["first_status"] = next((s["first_status"] for s in samples if s["first_status"]), 0)
+        return out
+    for key, fn in (
+        ("p50_ms", lambda s: pct(s["lat"], 0.5) * 1e3),
+        ("p99_ms", lambda s: pct(s["lat"], 0.99) * 1e3),
+        ("rps", lambda s: len(s["lat"]) / s["wall"]),
+    ):
+        med, spread = agg([fn(s) for s in ok])
+        out[key], out[key.replace("_ms", "") + "_spread" + ("_ms" if "ms" in key else "")] = (
+            med,
+            spread,
+        )
+    cpus = [c for c in cpu if c is not None]
+    if cpus:
+        out["scorer_cpu_us_per_req"], out["scorer_cpu_spread_us"] = agg(cpus)
+    return out
+
+
+def measure_path(
+    target: Target,
+    reqs: dict[str, list[bytes]],
+    concs: Sequence[int],
+    repeats: int,
+    seconds: float,
+    baseline: Sequence[int] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every cell of one path. With `baseline` (the workers' ports), each repeat first runs
+    the same cell direct, so the added latency compares runs seconds apart (the machine's
+    load moves more than the overhead between paths measured minutes apart)."""
+    cells: dict[str, dict[str, Any]] = {}
+    for kind, rs in reqs.items():
+        for conc in concs:
+            samples: list[dict[str, Any]] = []
+            cpu: list[float | None] = []
+            added: list[tuple[float, float]] = []
+            for _ in range(repeats):
+                b = asyncio.run(run_cell(baseline, rs, conc, seconds)) if baseline else None
+                c0 = cpu_seconds(target.scorer_pid) if target.scorer_pid else None
+                s = asyncio.run(run_cell(target.ports, rs, conc, seconds))
+                samples.append(s)
+                if c0 is not None and target.scorer_pid and s["lat"]:
+                    cpu.append((cpu_seconds(target.scorer_pid) - c0) / len(s["lat"]) * 1e6)
+                if not s["lat"]:
+                    break  # every request failed (e.g. a router that rejects the prompt)
+                if b is not None and b["lat"]:
+                    added.append(
+                        (
+                            (pct(s["lat"], 0.5) - pct(b["lat"], 0.5)) * 1e3,
+                            (pct(s["lat"], 0.99) - pct(b["lat"], 0.99)) * 1e3,
+                        )
+                    )
+            cell = summarize(samples, cpu)
+            if added:
+                cell["added_p50_ms"] = statistics.median(a for a, _ in added)
+                cell["added_p99_ms"] = statistics.median(a for _, a in added)
+                cell["added_p50_spread_ms"] = max(a for a, _ in added) - min(a for a, _ in added)
+            cells[f"{kind}/c{conc}"] = cell
+    return cells
+
+
+def add_deltas(results: dict[str, Any]) -> None:
+    """added_p50_ms / added_p99_ms against `direct` where not measured interleaved."""
+    base = results.get("direct", {}).get("cells", {})
+    for res in results.values():
+        for key, cell in res.get("cells", {}).items():
+            b = base.get(key)
+            if b and "p50_ms" in cell and "p50_ms" in b and "added_p50_ms" not in cell:
+                cell["added_p50_ms"] = cell["p50_ms"] - b["p50_ms"]
+                cell["added_p99_ms"] = cell["p99_ms"] - b["p99_ms"]
+
+
+def print_table(results: dict[str, Any], concs: Sequence[int], log: Callable[[str], None]) -> None:
+    log(
+        f"{'path':<40} {'prompt':>6} {'conc':>4} | {'p50 ms':>7} {'±':>5} {'p99 ms':>7} | "
+        f"{'added p50':>9} {'p99':>7} | {'req/s':>7} {'±':>5} | {'CPU µs/req':>10}"
+    )
+    for path, res in results.items():
+        if "error" in res:
+            log(f"{path:<40} {res['error']}")
+            continue
+        for key, c in res["cells"].items():
+            kind, conc = key.split("/")
+            if "p50_ms" not in c:
+                log(f"{path:<40} {kind:>6} {conc[1:]:>4} | every request failed "
+                    f"(HTTP {c.get('first_status')})")  # fmt: skip
+                continue
+            cpu = c.get("scorer_cpu_us_per_req")
+            cpu_s = "" if cpu is None else f"{cpu:.0f} ±{c['scorer_cpu_spread_us']:.0f}"
+            log(
+                f"{path:<40} {kind:>6} {conc[1:]:>4} | {c['p50_ms']:>7.2f} "
+                f"{c['p50_spread_ms']:>5.2f} {c['p99_ms']:>7.2f} | "
+                f"{c.get('added_p50_ms', 0.0):>9.2f} {c.get('added_p99_ms', 0.0):>7.2f} | "
+                f"{c['rps']:>7.0f} {c['rps_spread']:>5.0f} | "
+                f"{cpu_s:>10}"
+            )
+
+
+def plot(results: dict[str, Any], out: Path) -> Path | None:
+    """Added p50 at c=1 and requests/s at c=8 per path and prompt kind (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = [p for p, r in results.items() if "cells" in r and p != "direct"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, max(4, 0.32 * len(names) + 1.5)))
+    panels = (("c1", "added p50 over direct at c=1 (ms)"), ("c8", "requests/s at c=8"))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for j, kind in enumerate(KINDS):
+            vals = []
+            for n in names:
+                c = results[n]["cells"].get(f"{kind}/{key}", {})
+                vals.append(c.get("added_p50_ms" if key == "c1" else "rps", 0.0) or 0.0)
+            ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
+            ax.barh(ys, vals, height=0.4, label=f"{kind} prompt")
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--paths", help="comma list (default: all; see the module docstring)")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma list")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.0, help="per repeat of a cell")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--speed", type=float, default=1000.0, help="the sims' --speed")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 paths, c=1,8, 1 repeat")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "overhead.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.seconds = 1, min(args.seconds, 0.5)
+        if args.concurrency == "1,8,32":
+            args.concurrency = "1,8"
+    paths = (
+        [p.strip() for p in args.paths.split(",") if p.strip()]
+        if args.paths
+        else (QUICK_PATHS if args.quick else default_paths())
+    )
+    if "direct" not in paths:
+        paths.insert(0, "direct")
+    concs = [int(c) for c in args.concurrency.split(",")]
+    out = Path(args.out)
+    run_dir = out.parent / "overhead-run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ids = prompts(64)
+    reqs = {k: [request_bytes(p, k, args.max_tokens) for p in ids] for k in KINDS}
+    results: dict[str, Any] = {}
+    load = os.getloadavg()[0]
+    print(
+        f"{os.cpu_count()} cores, load average {load:.1f}; {len(paths)} paths; "
+        f"concurrency {concs}; {args.repeats} x {args.seconds}s per cell",
+        flush=True,
+    )
+    group = ProcGroup(run_dir)
+    try:
+        fleet = SimFleet(
+            group,
+            E2ESettings(workers=2, block_size=16, speed=args.speed, capacity_blocks=None),
+        )
+        fleet.start()
+        for path in paths:
+            t0 = time.monotonic()
+            try:
+                with start_path(path, group, fleet, run_dir) as target:
+                    base = [sp.port for sp in fleet.specs] if path != "direct" else None
+                    cells = measure_path(target, reqs, concs, args.repeats, args.seconds, base)
+                results[path] = {"cells": cells}
+            except peer_mod.PeerError as e:
+                msg = str(e)
+                results[path] = {
+                    "error": "not installed" if "not installed" in msg else msg.splitlines()[0]
+                }
+            print(f"  {path}: {time.monotonic() - t0:.0f}s", flush=True)
+    finally:
+        group.stop_all()
+    add_deltas(results)
+    print_table(results, concs, print)
+    doc = {
+        "benchmark": "overhead",
+        "cores": os.cpu_count(),
+        "load_average_at_start": load,
+        "settings": {
+            "concurrency": concs,
+            "repeats": args.repeats,
+            "seconds_per_repeat": args.seconds,
+            "max_tokens": args.max_tokens,
+            "sim_speed": args.speed,
+            "prompt_tokens": PREFIX_LEN + SUFFIX_LEN,
+        },
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    png = plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
