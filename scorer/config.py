@@ -318,6 +318,15 @@ class TokensConfig(Strict):
     allow_request_chat_template: bool = False
     request_template_timeout_s: float = Field(0.5, gt=0)
     request_template_max_chars: int = Field(4 * 1024 * 1024, ge=1024)
+    # The per-request CPU budget of the tokens stage (413 `prompt_too_large` past it).
+    # Prompt tokens as the engine sees them: token-id prompts are counted before hashing,
+    # text prompts after tokenizing. 2**20 is at or above every served context length we
+    # route for, so normal traffic never meets it.
+    max_prompt_tokens: int = Field(1024 * 1024, ge=1)
+    # Body bytes above which a text prompt is refused before rendering or tokenizing (the
+    # work is linear in bytes). 16 MiB holds 2**20 tokens at 16 JSON bytes each (escaped
+    # non-ASCII text runs ~6), so a prompt under max_prompt_tokens never meets it.
+    max_tokenize_bytes: int = Field(16 * 1024 * 1024, ge=1024)
 
     def adapter_of(self, model: str | None) -> str | None:
         """The LoRA adapter a request's model names (its blocks live in the adapter's

@@ -7,8 +7,8 @@ the replay benchmark. Nothing else admits, refuses, decides or counts a request 
 
     request received (headers, body) ─▶ admission: body size, parse (400/413)
         ─▶ eligible workers (model, health, subset; 503) ─▶ tokens (when the policy needs
-        them, in a thread pool) ─▶ policy.decide ─▶ record (decision log + metrics, once)
-        ─▶ in flight (unless dry run)
+        them, in a thread pool; 413 past the prompt budget) ─▶ policy.decide ─▶ record
+        (decision log + metrics, once) ─▶ in flight (unless dry run)
     response started (status, served endpoint) ─▶ prefill over, the status the client got
     response ended / reset ─▶ in flight released, completion hooks called
 
@@ -85,8 +85,9 @@ class RequestPreparer(Protocol):
     """Fills `token_ids`, `block_keys`, `block_size` and `prompt_tokens` of a request.
 
     Implemented by scorer.tokens. Leaves `token_ids` None when the model has no tokenizer
-    (the policy then routes by load with reason no_tokenizer) and sets `tokenize_error`
-    when the body cannot be rendered.
+    (the policy then routes by load with reason no_tokenizer), sets `tokenize_error`
+    when the body cannot be rendered and `over_budget` when the prompt is past the
+    per-request budget (`tokens.max_prompt_tokens`, `tokens.max_tokenize_bytes`: 413).
     """
 
     async def prepare(self, request: RoutingRequest) -> None: ...
@@ -265,6 +266,9 @@ class Director:
             t_tok = time.perf_counter()
             await self.preparer.prepare(request)
             request.stages.setdefault("tokenize", time.perf_counter() - t_tok)
+            if request.over_budget is not None:  # past the tokens stage's CPU budget
+                param = "messages" if "messages" in request.body else "prompt"
+                return self._refuse(request, Reason.PROMPT_TOO_LARGE, request.over_budget, param)
             # The pool can change while the prompt is tokenized (scorer.pool.discovery):
             # never decide for a worker that has left it since.
             candidates = [w for w in candidates if self.pool.workers.get(w.endpoint) is w]

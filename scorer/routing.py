@@ -33,6 +33,9 @@ class Reason(StrEnum):
     BAD_REQUEST = "bad_request"  # unparseable body or missing model (400)
     TOO_LARGE = "too_large"  # request body over extproc.max_body_bytes (413)
     TOKENIZE_ERROR = "tokenize_error"  # the prompt could not be rendered: routed by load
+    # The prompt is over the tokens stage's CPU budget (tokens.max_prompt_tokens or
+    # tokens.max_tokenize_bytes): refused (413) rather than tokenized or hashed.
+    PROMPT_TOO_LARGE = "prompt_too_large"
 
 
 @dataclass(slots=True)
@@ -59,6 +62,8 @@ class RoutingRequest:
     block_size: int = 0
     prompt_tokens: int = 0  # exact when tokenized, else an estimate from the body size
     tokenize_error: str | None = None
+    # Set by the tokens stage when the prompt is past its budget: the refusal's message.
+    over_budget: str | None = None
     body_bytes: int = 0  # size of the request body as received
     # A dry run (Score RPC, /debug/score) decides without changing any state: no
     # speculative inserts, no session binding, no round-robin step, no in-flight entry.
@@ -168,6 +173,7 @@ class Decision:
 REFUSAL_STATUS: dict[Reason, int] = {
     Reason.BAD_REQUEST: 400,
     Reason.TOO_LARGE: 413,
+    Reason.PROMPT_TOO_LARGE: 413,
     Reason.SHED: 429,
     Reason.NO_WORKERS: 503,
     Reason.SUBSET_EMPTY: 503,

@@ -188,7 +188,7 @@ class EventIngest:
         try:
             keys = await asyncio.to_thread(self._body_keys, body)
         except _BadScoreBody as e:
-            return _error(400, str(e))
+            return _error(e.status, str(e))
         out = self.score_keys(keys)
         model = body.get("model")
         if self.dry_run is not None and isinstance(model, str):
@@ -204,7 +204,16 @@ class EventIngest:
             try:
                 ids = self.tokenize(model if isinstance(model, str) else None, body)
             except Exception as e:  # the tokenizer's own error, reported to the operator
-                raise _BadScoreBody(f"cannot tokenize: {e}") from None
+                # A prompt past the tokens budget carries its 413 (PromptTooLarge.status).
+                status = getattr(e, "status", 400)
+                raise _BadScoreBody(f"cannot tokenize: {e}", status) from None
+        limit = self.config.tokens.max_prompt_tokens
+        if isinstance(ids, list) and len(ids) > limit:  # the data path's budget, counted first
+            raise _BadScoreBody(
+                f"the prompt has {len(ids)} tokens, over this router's limit of {limit} "
+                "(tokens.max_prompt_tokens)",
+                413,
+            )
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in ids
         ):
@@ -274,7 +283,11 @@ class EventIngest:
 
 
 class _BadScoreBody(ValueError):
-    """A /debug/score body that cannot be scored (400)."""
+    """A /debug/score body that cannot be scored (400; 413 past the prompt budget)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _error(status: int, message: str) -> web.Response:

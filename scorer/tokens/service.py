@@ -58,7 +58,7 @@ TOKENIZE_SECONDS = Histogram(
 )
 TOKENIZE_OUTCOMES = Counter(
     "kv_scorer_tokenize_requests",
-    "Requests through the tokens stage by outcome (ok, no_tokenizer, error).",
+    "Requests through the tokens stage by outcome (ok, no_tokenizer, error, over_budget).",
     ["outcome"],
 )
 
@@ -107,6 +107,13 @@ class TokenizeError(ValueError):
 
 class NoTokenizer(LookupError):
     """No tokenizer is configured for the model."""
+
+
+class PromptTooLarge(TokenizeError):
+    """The prompt is over the per-request budget (`tokens.max_prompt_tokens` or
+    `tokens.max_tokenize_bytes`): refused with 413, never routed by load."""
+
+    status = 413
 
 
 @dataclass(slots=True)
@@ -178,6 +185,8 @@ class Tokenization:
                     )
         self._pool: ThreadPoolExecutor | None = None
         self._threads = tc.threads
+        self.max_prompt_tokens = tc.max_prompt_tokens
+        self.max_tokenize_bytes = tc.max_tokenize_bytes
 
     # -- lifecycle (app component) -------------------------------------------------------
     async def start(self) -> None:
@@ -210,6 +219,8 @@ class Tokenization:
             tp = await loop.run_in_executor(self._executor(), self.tokenize_body, model, body)
         except NoTokenizer as e:
             return json_error(404, str(e), param="model")
+        except PromptTooLarge as e:
+            return json_error(413, str(e), param="prompt", code="prompt_too_large")
         except TokenizeError as e:
             return json_error(400, str(e))
         return web.json_response(
@@ -261,7 +272,8 @@ class Tokenization:
 
         `model` defaults to `body["model"]`; a LoRA adapter name (a key of
         `tokens.lora_base`) selects its base tokenizer and its own block namespace.
-        Raises `NoTokenizer` or `TokenizeError`.
+        Raises `NoTokenizer`, `TokenizeError` or `PromptTooLarge` (token-id prompts are
+        counted before hashing, text prompts after tokenizing).
         """
         if not isinstance(body, Mapping):
             raise TokenizeError("the request body must be a JSON object")
@@ -295,6 +307,8 @@ class Tokenization:
             )
         else:
             raise TokenizeError("the body has neither 'messages' nor 'prompt'")
+        if len(buf) > 4 * self.max_prompt_tokens:  # 4 bytes per token id; as sent
+            raise PromptTooLarge(self._tokens_message(len(buf) // 4))
         trunc = body.get("truncate_prompt_tokens")
         if trunc is not None:
             # vLLM keeps the LAST k tokens (left truncation); -1 means "the model's maximum
@@ -394,8 +408,23 @@ class Tokenization:
         stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
         return "completion", buf
 
-    @staticmethod
-    def _ids_bytes(ids: list[Any]) -> bytes:
+    def _tokens_message(self, n: int) -> str:
+        return (
+            f"the prompt has {n} tokens, over this router's limit of {self.max_prompt_tokens}"
+            " (tokens.max_prompt_tokens)"
+        )
+
+    def bytes_message(self, n: int) -> str:
+        """The refusal message of a text prompt whose body is over max_tokenize_bytes."""
+        return (
+            f"the request body has {n} bytes, over this router's limit of "
+            f"{self.max_tokenize_bytes} for a text prompt (tokens.max_tokenize_bytes)"
+        )
+
+    def _ids_bytes(self, ids: list[Any]) -> bytes:
+        if len(ids) > self.max_prompt_tokens:
+            # Counted before any id is checked or hashed (cheap).
+            raise PromptTooLarge(self._tokens_message(len(ids)))
         # One C-level pass over the types (a per-id isinstance generator cost ~10x more);
         # JSON gives int, float, str, bool, ...: only int is a token id (bool is an int
         # subclass, so `type` and not `isinstance`).
@@ -419,6 +448,10 @@ class Tokenization:
             return  # token_ids stays None: the policy routes by load (no_tokenizer)
         try:
             tp = self.tokenize_body(model, body, lora=request.lora, cache_salt=request.cache_salt)
+        except PromptTooLarge as e:
+            request.over_budget = str(e)
+            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            return
         except (TokenizeError, NoTokenizer) as e:
             request.tokenize_error = str(e)
             TOKENIZE_OUTCOMES.labels("error").inc()
@@ -442,28 +475,35 @@ class Tokenization:
         """Fill `token_ids`, `block_keys`, `block_size`, `prompt_tokens` off the event loop.
 
         No tokenizer for the model: leaves `token_ids` None. A body that cannot be
-        rendered or tokenized: sets `tokenize_error`. Never raises for a bad body.
+        rendered or tokenized: sets `tokenize_error`. A prompt over the budget (token ids
+        counted, a text body's bytes, then its tokens): sets `over_budget`, before the work
+        when it can. Never raises for a bad body.
         """
         body = request.body
-        if body is not None and (
+        if body is None:
+            return
+        if is_token_id_prompt(body):
+            n = _id_count(body)
+            if n > self.max_prompt_tokens:
+                request.over_budget = self._tokens_message(n)
+                TOKENIZE_OUTCOMES.labels("over_budget").inc()
+                return
+            inline = n <= INLINE_MAX_IDS
+        elif (
+            self.tokenizer_for(request.model if request.model is not None else body.get("model"))
+            is None
+        ):
             # No tokenizer (and not ids): nothing to do but count it — the load fallback
             # must cost no thread hop (prepare_sync returns before rendering anything).
-            (
-                not is_token_id_prompt(body)
-                and self.tokenizer_for(
-                    request.model if request.model is not None else body.get("model")
-                )
-                is None
-            )
-            or (
-                "chat_template" not in body  # request-supplied code: always off the loop
-                and (
-                    _id_count(body) <= INLINE_MAX_IDS
-                    if is_token_id_prompt(body)
-                    else 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
-                )
-            )
-        ):
+            self.prepare_sync(request)
+            return
+        elif request.body_bytes > self.max_tokenize_bytes:
+            request.over_budget = self.bytes_message(request.body_bytes)
+            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            return
+        else:
+            inline = 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
+        if inline and "chat_template" not in body:  # request-supplied code: always off the loop
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
             self.prepare_sync(request)
             return

@@ -326,3 +326,33 @@ async def test_draining_refuses_new_streams(harness) -> None:
         # grpcio the probe only reads.
         await asyncio.wait_for(call.read(), 5)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_prompt_over_the_token_budget_is_413(harness) -> None:
+    from prometheus_client import REGISTRY
+
+    def too_large_streams() -> float:
+        labels = {"outcome": "too_large"}
+        return REGISTRY.get_sample_value("kv_scorer_extproc_streams_total", labels) or 0.0
+
+    h = await harness(policy="kv", tokens={"max_prompt_tokens": 32})
+    before = too_large_streams()
+    call = h.stream()
+    await call.write(headers_msg({"x-request-id": "ids-33"}))
+    await call.write(body_msg(json.dumps({"model": "m", "prompt": list(range(33))}).encode(), True))
+    resp = await read(call)
+    assert resp.immediate_response.status.code == 413
+    err = error_json(resp)
+    assert err["code"] == "prompt_too_large" and err["param"] == "prompt"
+    assert "tokens.max_prompt_tokens" in str(err["message"])
+    assert too_large_streams() - before == 1
+    (d,) = h.app.decisions.query(limit=1, reason="prompt_too_large")
+    assert (d["request_id"], d["status"]) == ("ids-33", 413)
+    # A prompt at the limit is routed as before.
+    call = h.stream()
+    await call.write(headers_msg({"x-request-id": "ids-32"}))
+    await call.write(body_msg(json.dumps({"model": "m", "prompt": list(range(32))}).encode(), True))
+    resp = await read(call)
+    assert resp.WhichOneof("response") != "immediate_response"
+    assert lb_metadata(resp) in WORKERS
+    await call.done_writing()
