@@ -39,6 +39,8 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
             lora=request.lora or self.director.config.tokens.adapter_of(request.model),
         )
         which = request.WhichOneof("input")
+        # The tokens stage's byte budget (tokens.max_tokenize_bytes) reads this.
+        req.body_bytes = request.ByteSize()
         body: dict[str, Any] = {"model": request.model}
         if req.cache_salt:
             body["cache_salt"] = req.cache_salt
@@ -54,9 +56,15 @@ class ScorerService(scorer_pb2_grpc.ScorerServicer):
             req.prompt_tokens = sum(len(m.content) for m in request.messages.messages) // 4
         elif which == "token_ids":
             ids = list(request.token_ids.ids)
-            req.token_ids = ids
             req.prompt_tokens = len(ids)
-            self._block_keys(req)
+            if len(ids) > self.director.config.tokens.max_prompt_tokens:
+                # Past the budget: never hashed; the tokens stage refuses it (413), as on
+                # the data path.
+                body["prompt"] = ids
+                req.body = body
+            else:
+                req.token_ids = ids
+                self._block_keys(req)
         d = await self.director.decide(req, dry_run=True)
         return decision_to_proto(d)
 

@@ -14,6 +14,7 @@ import pytest
 from extproc_helpers import WORKERS
 from prometheus_client import REGISTRY
 
+from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
 from scorer.config import ConfigError, TokensConfig, load_config
 from scorer.director import Director
 from scorer.routing import Decision
@@ -120,4 +121,13 @@ async def test_debug_surfaces_answer_413_too(harness) -> None:
     for err in errors:
         assert set(err) == {"message", "type", "param", "code"}
         assert "tokens.max_prompt_tokens" in err["message"]
+    # The Score RPC: the same refusal (nothing hashed), and a prompt at the limit decided.
+    stub = scorer_pb2_grpc.ScorerStub(h.channel)
+    for n, status in ((9, 413), (8, 200)):
+        ids = scorer_pb2.TokenIds(ids=list(range(1, n + 1)))
+        r = await stub.Score(scorer_pb2.ScoreRequest(model="m", token_ids=ids))
+        assert r.status == status
+        assert (r.reason == "prompt_too_large") == (status == 413)
+    r = await stub.Score(scorer_pb2.ScoreRequest(model="qwen3", prompt="Hello " * 40))
+    assert (r.status, r.reason) == (413, "prompt_too_large")
     assert len(h.app.pool.inflight) == 0  # dry runs: nothing in flight
