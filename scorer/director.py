@@ -37,7 +37,7 @@ from scorer.policy.metrics import observe_decision
 from scorer.policy.profile import Profile
 from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
-from scorer.pool.prefill import PrefillModel
+from scorer.pool.prefill import PrefillModel, scrape_correction
 from scorer.pool.workers import Pool
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 from scorer.usage import OUTCOMES as USAGE_OUTCOMES
@@ -133,6 +133,8 @@ class _Live:
     prefill_over: bool = False
     estimated: bool = False  # a prefill end estimate is scheduled
     bodies: bool = False  # its response body chunks reach the director
+    routed_page: int = 0  # the worker's scrape page count at the decision
+    tracked: str | None = None  # endpoint whose prefilling map holds it (scrape correction)
 
 
 USAGE = Counter(
@@ -191,6 +193,13 @@ class Director:
         self.prefill = PrefillModel()
         self.clock: Callable[[], float] = time.perf_counter
         self._prefill_due: list[tuple[float, str]] = []
+        # Requests with a body still prefilling, per endpoint, oldest first; and the scrape
+        # page of each endpoint already applied to them (page count, director clock when
+        # first seen). The scrape correction (scorer.pool.prefill) works on these.
+        self._prefilling: dict[str, dict[str, _Live]] = {}
+        self._pages: dict[str, tuple[int, float]] = {}
+        self._stale_after_s = config.load.stale_after_s
+        self._recheck_s = config.load.scrape_interval_s
         self._token_counters: dict[tuple[str, str, str], Any] = {}
         # Called once per request that was routed and followed, when it ends. The hook point
         # for request metrics (model, endpoint, status, duration). Hooks must not raise.
@@ -300,7 +309,7 @@ class Director:
         )
 
     def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
-        if self._prefill_due:
+        if self._prefill_due or self._prefilling:
             self.expire_prefill()
         t_dec = time.perf_counter()
         rng = self.policy.ctx.rng
@@ -367,6 +376,9 @@ class Director:
                 # earlier when it can (first body chunk of a stream, headers otherwise).
                 live.stream = body.get("stream") is True
                 live.estimated = True
+                w = self.pool.get(d.endpoints[0])
+                live.routed_page = w.scraped.pages if w is not None else 0
+                self._track(rid, live, d.endpoints[0])
                 due = live.routed_at + self.prefill.estimate(live.uncached_tokens)
                 heapq.heappush(self._prefill_due, (due, rid))
         elif self.completion_hooks:
@@ -405,21 +417,82 @@ class Director:
         return await self.request_received(req, _json_encoder.encode(doc), dry_run=True)
 
     def expire_prefill(self) -> int:
-        """Move requests whose estimated prefill end has passed to decode. Returns how
-        many. Runs before each decision (a heap peek when nothing is due)."""
-        due = self._prefill_due
+        """Move requests to decode whose prefill is over by the scrape correction or by
+        their estimate (unless a fresh scrape holds them: scorer.pool.prefill). Returns
+        how many. Runs before each decision: per worker with prefilling requests a page
+        count comparison, and a heap peek when nothing is due."""
         now = self.clock()
         n = 0
+        for ep in list(self._prefilling):
+            w = self.pool.get(ep)
+            page = w.scraped.pages if w is not None else 0
+            if w is None or page == 0:
+                continue
+            known = self._pages.get(ep)
+            if known is not None and known[0] == page:
+                continue
+            self._pages[ep] = (page, now)
+            n += self._scrape_correction(ep, page, w.scraped.running, w.scraped.waiting)
+        due = self._prefill_due
         while due and due[0][0] <= now:
             _, rid = heapq.heappop(due)
             live = self._live.get(rid)
-            if live is not None and not live.prefill_over:
-                self._prefill_over(rid, live)
-                n += 1
+            if live is None or live.prefill_over:
+                continue
+            if self._held(rid, live, now):
+                # The engine has a queue: look again after the next scrape.
+                heapq.heappush(due, (now + self._recheck_s, rid))
+                continue
+            self._prefill_over(rid, live)
+            n += 1
         return n
+
+    def _scrape_correction(self, ep: str, page: int, running: float, waiting: float) -> int:
+        """A new metrics page of `ep`: end the prefill of our oldest requests there that
+        the engine no longer holds."""
+        flights = self._prefilling.get(ep)
+        if not flights:
+            return 0
+        # Routing order is page order: the requests the page must have seen come first.
+        seen = sum(1 for live in flights.values() if live.routed_page + 2 <= page)
+        end, _ = scrape_correction(seen, len(flights), running, waiting)
+        for rid in list(flights)[:end]:
+            self._prefill_over(rid, flights[rid])
+        return end
+
+    def _held(self, request_id: str, live: _Live, now: float) -> bool:
+        """True when a fresh page of the worker shows waiting requests and this is one of
+        the newest that many of ours prefilling there: its estimate alone does not end it."""
+        ep = live.tracked
+        flights = self._prefilling.get(ep) if ep is not None else None
+        known = self._pages.get(ep) if ep is not None else None
+        w = self.pool.get(ep) if ep is not None else None
+        if not flights or known is None or w is None or now - known[1] > self._stale_after_s:
+            return False
+        _, hold = scrape_correction(0, len(flights), w.scraped.running, w.scraped.waiting)
+        return hold > 0 and request_id in list(flights)[-hold:]
+
+    def _track(self, request_id: str, live: _Live, endpoint: str) -> None:
+        live.tracked = endpoint
+        flights = self._prefilling.get(endpoint)
+        if flights is None:
+            flights = self._prefilling[endpoint] = {}
+        flights[request_id] = live
+
+    def _untrack(self, request_id: str, live: _Live) -> None:
+        ep, live.tracked = live.tracked, None
+        if ep is None:
+            return
+        flights = self._prefilling.get(ep)
+        if flights is not None:
+            flights.pop(request_id, None)
+            if not flights:
+                del self._prefilling[ep]
+                self._pages.pop(ep, None)
 
     def _prefill_over(self, request_id: str, live: _Live) -> None:
         live.prefill_over = True
+        self._untrack(request_id, live)
         self.inflight.first_byte(request_id)
 
     @staticmethod
@@ -458,6 +531,12 @@ class Director:
         if served is not None and served != self.inflight.endpoint_of(request_id):
             self.inflight.moved(request_id, served)
             moved = True
+            if live.tracked is not None:
+                # It is the served worker's newest: only its pages from now on count it.
+                self._untrack(request_id, live)
+                w = self.pool.get(served)
+                live.routed_page = w.scraped.pages if w is not None else 0
+                self._track(request_id, live, served)
         if status is not None:
             live.status = status
             live.decision.response_status = status
@@ -496,6 +575,7 @@ class Director:
         live = self._live.pop(request_id, None)
         if live is None:
             return
+        self._untrack(request_id, live)
         endpoint = self.inflight.endpoint_of(request_id) or live.decision.endpoints[0]
         self.inflight.finished(request_id)
         usage: Usage | None = None

@@ -15,6 +15,13 @@ it follows the fleet's current speed. Until `min_samples` observations exist, th
 defaults hold (a = 20 ms, b = 0.1 ms per token: a GPU-class prefill rate of ~10k
 tokens/s; conservative for CPU engines, which the fit then corrects). Estimates are
 clamped to [min_s, max_s].
+
+The scrape corrects the estimate (`scrape_correction`, applied by the director for every
+new metrics page of a worker): vLLM's `vllm:num_requests_running` + `_waiting` count every
+request the engine holds, so when a page counts fewer than the requests we have prefilling
+there that the page must have seen, the surplus has left the engine and the oldest of them
+end prefill now; and while the newest page shows W waiting requests, the W newest of ours
+there are held in prefill past their estimate (vLLM queues first come, first served).
 """
 
 from __future__ import annotations
@@ -68,3 +75,21 @@ class PrefillModel:
         """Expected prefill seconds for `tokens` uncached prompt tokens."""
         s = self.a + self.b * max(tokens, 0.0)
         return min(max(s, self.min_s), self.max_s)
+
+
+def scrape_correction(
+    seen: int, prefilling: int, running: float, waiting: float
+) -> tuple[int, int]:
+    """What a fresh metrics page says about one worker's requests we count as prefilling.
+
+    `prefilling`: our requests on the worker still counted as prefilling, oldest first;
+    `seen`: how many of the oldest were routed before the page was requested (so the
+    engine held them, unless they had finished). Returns `(end, hold)`: end the `end`
+    oldest now (the engine holds fewer requests than that many of ours: the surplus is
+    done with prefill), and do not end the `hold` newest of the rest by the estimate alone
+    (the engine says that many wait in its queue).
+    """
+    held = max(int(running + waiting), 0)
+    end = min(max(seen - held, 0), prefilling)
+    hold = min(max(int(waiting), 0), prefilling - end)
+    return end, hold

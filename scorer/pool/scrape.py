@@ -340,6 +340,7 @@ class LoadScraper:
                 expected,
             )
         sc.at = self.clock()
+        sc.pages += 1
         sc.error = None
         sc.failures = 0
         SCRAPE_FAILURES.labels(worker.endpoint).set(0)

@@ -53,6 +53,9 @@ class ScrapedLoad:
     lora_waiting: list[str] = field(default_factory=list)
     cache_hit_rate: float | None = None  # SGLang's gauge, or vLLM hits/queries counters
     attempts: int = 0  # scrapes tried (success or not)
+    # Good pages applied. Scrapes of a worker run one after another, so page p + 2 was
+    # requested after page p was applied: the director orders pages against routing by it.
+    pages: int = 0
 
 
 @dataclass(slots=True)

@@ -12,7 +12,8 @@ import pytest
 from scorer.config import load_config
 from scorer.director import Director
 from scorer.policy.base import PolicyContext, build_policy
-from scorer.pool.prefill import PrefillModel
+from scorer.pool.prefill import PrefillModel, scrape_correction
+from scorer.pool.scrape import LoadScraper, ParsedMetrics
 from scorer.pool.workers import Pool
 
 EP = "127.0.0.1:7001"
@@ -98,3 +99,83 @@ def test_stream_without_bodies_waits_for_the_estimate_not_the_headers() -> None:
     clock.t += 3600
     route(d, "s3", stream=True)  # a decision runs the expiry first
     assert d.pool.inflight._flights["s2"].in_prefill is False
+
+
+# -- the scrape corrects the estimate (scorer.pool.prefill.scrape_correction) -------------
+
+
+def test_scrape_correction_rule() -> None:
+    # The engine holds fewer requests than the seen ones we count as prefilling: end the
+    # surplus (oldest first); waiting requests hold that many of the newest.
+    assert scrape_correction(seen=3, prefilling=4, running=1, waiting=0) == (2, 0)
+    assert scrape_correction(seen=3, prefilling=4, running=2, waiting=1) == (0, 1)
+    assert scrape_correction(seen=0, prefilling=4, running=0, waiting=0) == (0, 0)
+    assert scrape_correction(seen=2, prefilling=2, running=0, waiting=5) == (0, 2)
+    assert scrape_correction(seen=5, prefilling=5, running=0, waiting=0) == (5, 0)
+
+
+def page(d: Director, running: float, waiting: float) -> None:
+    """One good metrics page of the worker, through the scraper's own apply."""
+    scraper = LoadScraper(d.config, d.pool)
+    w = d.pool.get(EP)
+    assert w is not None
+    scraper.apply(w, ParsedMetrics(engine="vllm", running=running, waiting=waiting))
+
+
+def prefilling(d: Director) -> list[str]:
+    return [rid for rid, f in d.pool.inflight._flights.items() if f.in_prefill]
+
+
+def test_scrape_ends_the_oldest_estimates_the_engine_no_longer_holds() -> None:
+    d, _clock = director()
+    page(d, 0, 0)
+    for rid in ("a", "b", "c"):
+        route(d, rid, stream=False)
+    # Page 2 may have been requested before they were routed: it proves nothing.
+    page(d, 0, 0)
+    assert d.expire_prefill() == 0 and prefilling(d) == ["a", "b", "c"]
+    # Page 3 was requested after: the engine holds 1 request, so 2 of ours are done.
+    page(d, 1, 0)
+    assert d.expire_prefill() == 2 and prefilling(d) == ["c"]
+    load = d.pool.inflight.load(EP)
+    assert load.requests == 3 and load.decode_blocks > 0
+    # The same page again changes nothing; a newer one that holds c keeps it.
+    assert d.expire_prefill() == 0
+    page(d, 1, 0)
+    assert d.expire_prefill() == 0 and prefilling(d) == ["c"]
+    for rid in ("a", "b", "c"):
+        d.response_started(rid, 200, None, "application/json")
+        d.response_ended(rid)
+    assert len(d) == 0 and load.requests == 0 and d._prefilling == {}
+
+
+def test_waiting_requests_are_not_ended_by_the_estimate_alone() -> None:
+    d, clock = director()
+    page(d, 0, 0)
+    route(d, "a", stream=False)
+    route(d, "b", stream=False)
+    page(d, 0, 0)
+    page(d, 1, 1)  # one running, one queued: the newest of ours waits
+    clock.t += 3600  # far past both estimates
+    assert d.expire_prefill() == 1 and prefilling(d) == ["b"]
+    # Still queued on the next page: still held, rechecked a scrape interval later.
+    page(d, 1, 1)
+    clock.t += d.config.load.scrape_interval_s
+    assert d.expire_prefill() == 0 and prefilling(d) == ["b"]
+    # The queue drained: the estimate (long past) ends it at the recheck.
+    page(d, 1, 0)
+    clock.t += d.config.load.scrape_interval_s
+    assert d.expire_prefill() == 1 and prefilling(d) == []
+
+
+def test_a_stale_page_holds_nothing() -> None:
+    d, clock = director()
+    page(d, 0, 0)
+    route(d, "a", stream=False)
+    page(d, 0, 0)
+    page(d, 0, 3)
+    clock.t += 1.0
+    assert d.expire_prefill() == 0 and prefilling(d) == ["a"]  # held
+    # No page since for longer than load.stale_after_s: the estimate alone decides.
+    clock.t += d.config.load.stale_after_s + 1.0
+    assert d.expire_prefill() == 1 and prefilling(d) == []

@@ -366,6 +366,7 @@ class _Replay:
             sc.waiting = float(len(sw.waiting))
             sc.kv_usage = sw.cache.usage if self.settings.capacity_blocks else 0.0
             sc.at = at
+            sc.pages += 1  # as LoadScraper.apply: the director orders pages by it
 
     def route(self, r: _Req, token_ids: Callable[[], list[int]], session: str | None) -> None:
         bs = self.settings.block_size
