@@ -290,47 +290,36 @@ class Profile(Policy):
         add = rows.append
         for i, w in enumerate(cycle.candidates):
             got = cost_rows.get(i)
+            note: str | None = None
             if got is None:
+                # No cost row for this candidate: the match shown, neutral cost terms.
                 mm = matches.get(w.endpoint) if matches else None
-                mb = 0 if mm is None else mm.blocks
-                add(
-                    CandidateScore(
-                        w.endpoint,
-                        mb,
-                        mb * bs,
-                        {} if mm is None else mm.by_medium,
-                        0.0,
-                        1.0,
-                        w.inflight.requests,
-                        pfs[i],
-                        dcs[i],
-                        wqs[i],
-                        kus[i],
-                        cost_of.get(i),
-                        filtered[i],
-                        None,
-                    )
-                )
+                blocks = 0 if mm is None else mm.blocks
+                by_medium = {} if mm is None else mm.by_medium
+                weighted, credit = 0.0, 1.0
             else:
                 m, weighted, credit, stale = got
-                add(
-                    CandidateScore(
-                        w.endpoint,
-                        m.blocks,
-                        m.blocks * bs,
-                        m.by_medium,
-                        weighted,
-                        credit,
-                        w.inflight.requests,
-                        pfs[i],
-                        dcs[i],
-                        wqs[i],
-                        kus[i],
-                        cost_of.get(i),
-                        filtered[i],
-                        "stale_events" if stale else None,
-                    )
+                blocks, by_medium = m.blocks, m.by_medium
+                if stale:
+                    note = "stale_events"
+            add(
+                CandidateScore(
+                    w.endpoint,
+                    blocks,
+                    blocks * bs,
+                    by_medium,
+                    weighted,
+                    credit,
+                    w.inflight.requests,
+                    pfs[i],
+                    dcs[i],
+                    wqs[i],
+                    kus[i],
+                    cost_of.get(i),
+                    filtered[i],
+                    note,
                 )
+            )
         if cycle.duplicate_blocks:
             for i, extra in cycle.duplicate_blocks.items():
                 rows[i].duplicate_blocks = extra

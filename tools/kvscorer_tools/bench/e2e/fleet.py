@@ -23,6 +23,10 @@ HITS = "vllm:prefix_cache_hits"
 QUERIES = "vllm:prefix_cache_queries"
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
+# A sim that lost its picked port to another process exits with this in its log (errno
+# EADDRINUSE from aiohttp or ZMQ); it is started again on fresh ports.
+_ADDR_IN_USE = "address already in use"
+_BIND_ATTEMPTS = 3
 
 
 @dataclass(slots=True)
@@ -97,18 +101,35 @@ class SimFleet:
         )
 
     def start(self, timeout_s: float = 60.0) -> None:
-        """Start every worker, then wait for all of them to answer /health."""
+        """Start every worker, then wait for all of them to answer /health.
+
+        Ports are picked free (bind to 0) and then bound by the child, so another process
+        can take one in between (outgoing connections draw from the same ephemeral range).
+        A worker that exits on such a bind error is started again on fresh ports, at most
+        `_BIND_ATTEMPTS` times.
+        """
         for i in range(self.settings.workers):
             spec = SimSpec(free_port(), free_port(), free_port())
             self.specs.append(spec)
             self.procs.append(self.group.start(f"sim{i}", self.argv(spec)))
-        for spec, p in zip(self.specs, self.procs, strict=True):
-            wait_until(
-                lambda spec=spec: http_get(spec.url + "/health", 1.0)[0] == 200,  # type: ignore[misc]
-                timeout_s,
-                f"{p.name} /health",
-                p,
-            )
+        for i in range(self.settings.workers):
+            for attempt in range(1, _BIND_ATTEMPTS + 1):
+                spec, p = self.specs[i], self.procs[i]
+                try:
+                    wait_until(
+                        lambda spec=spec: http_get(spec.url + "/health", 1.0)[0] == 200,  # type: ignore[misc]
+                        timeout_s,
+                        f"{p.name} /health",
+                        p,
+                    )
+                    break
+                except ProcError:
+                    lost_port = not p.alive() and _ADDR_IN_USE in p.log_tail().lower()
+                    if not lost_port or attempt == _BIND_ATTEMPTS:
+                        raise
+                spec = SimSpec(free_port(), free_port(), free_port())
+                self.specs[i] = spec
+                self.procs[i] = self.group.start(f"sim{i}-retry{attempt}", self.argv(spec))
 
     def reset(self) -> None:
         """Drop every worker's prefix cache (vLLM's POST /reset_prefix_cache)."""

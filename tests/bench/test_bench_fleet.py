@@ -1,0 +1,37 @@
+"""SimFleet: a sim that loses its picked port to another process is started again."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvscorer_tools.bench.e2e import fleet as fleet_mod
+from kvscorer_tools.bench.e2e.fleet import SimFleet
+from kvscorer_tools.bench.e2e.settings import E2ESettings
+from kvscorer_tools.bench.procs import ProcGroup, free_port
+
+
+def test_sim_that_lost_its_port_is_restarted_on_fresh_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process holds the HTTP port the fleet picks first: the sim exits with
+    # "address already in use" and must come up on the next ports it is given.
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks: Iterator[int] = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(fleet_mod, "free_port", lambda: next(picks, None) or free_port())
+    group = ProcGroup(tmp_path / "logs")
+    settings = E2ESettings(workers=1, capacity_blocks=64, block_size=16, run_dir=tmp_path)
+    fleet = SimFleet(group, settings)
+    try:
+        fleet.start(timeout_s=60.0)
+        assert fleet.specs[0].port != taken.getsockname()[1]
+        assert fleet.procs[0].alive()
+        assert fleet.procs[0].name == "sim0-retry1"
+    finally:
+        group.stop_all()
+        taken.close()
