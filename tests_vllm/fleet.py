@@ -310,55 +310,41 @@ def _serving_ports(proc: Proc) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(3))) if m else None
 
 
+# Each peer's launcher module and its name for the warning log level.
+_PEER_LAUNCHERS = {
+    "sglang-router": ("sglang_router.launch_router", "warn"),
+    "vllm-router": ("vllm_router.launch_router", "warning"),
+}
+
+
 def peer_argv(name: str, python: Path, workers: list[Worker], port: int) -> list[str]:
     """sglang-router 0.3.2 / vllm-router 0.1.17, policy cache_aware, before the workers.
 
     Flags from each launcher's --help (`python -m sglang_router.launch_router`,
     `python -m vllm_router.launch_router`); both default to a fixed Prometheus port, so
     one is chosen here."""
-    urls = [w.url for w in workers]
-    metrics = str(free_port())
-    if name == "sglang-router":
-        return [
-            str(python),
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "cache_aware",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            metrics,
-            "--log-level",
-            "warn",
-        ]
-    if name == "vllm-router":
-        return [
-            str(python),
-            "-m",
-            "vllm_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            "cache_aware",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            metrics,
-            "--log-level",
-            "warning",
-        ]
-    raise ValueError(name)
+    if name not in _PEER_LAUNCHERS:
+        raise ValueError(name)
+    module, log_level = _PEER_LAUNCHERS[name]
+    return [
+        str(python),
+        "-m",
+        module,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *[w.url for w in workers],
+        "--policy",
+        "cache_aware",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        log_level,
+    ]
 
 
 def peer_ready(base: str, workers: list[Worker]) -> bool:
