@@ -85,10 +85,16 @@ async def _one(
                 detail = (await resp.text())[:200]
                 raise RuntimeError(f"HTTP {resp.status}: {detail}")
             async for line in resp.content:
-                if first is None and line.startswith(b"data:") and b"[DONE]" not in line:
+                if line.startswith(b"data:") and b"[DONE]" not in line:
                     first = time.perf_counter()
+                    break
             if first is None:
                 raise RuntimeError("stream ended without a token")
+            # The rest only has to be read to the end (closing early would abort the
+            # request and free its KV blocks): in big chunks, not line by line, so the
+            # load generator's CPU stays off the sims' and Envoy's two cores.
+            async for _chunk in resp.content.iter_any():
+                pass
     except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
         res.errors += 1
         if res.first_error is None:
