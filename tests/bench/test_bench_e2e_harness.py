@@ -133,3 +133,4 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
     assert [r["requests"] for r in rr["runs"]] == [6, 6]
     assert 0 < rr["hit_rate"] <= doc["policies"]["oracle"]["hit_rate"] + 1e-9
     assert doc["settings"]["repeats"] == 2
+    assert all(r["send_lag_p99_ms"] >= 0 for r in rr["runs"])

@@ -25,6 +25,10 @@ class LoadResult:
     """What the load generator measured (wall clock)."""
 
     ttft_s: list[float] = field(default_factory=list)
+    # How late each request was sent after its arrival time (the event loop or the
+    # concurrency cap behind): large values mean the machine could not keep up with the
+    # time scale and the run's latencies say more about the machine than the router.
+    send_lag_s: list[float] = field(default_factory=list)
     errors: int = 0
     done: int = 0
     first_error: str | None = None
@@ -141,6 +145,7 @@ async def generate_load(
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:
+                res.send_lag_s.append(max(time.perf_counter() - res.t_start - r.arrival_s, 0.0))
                 await _one(http, url, r, res, timeout_s, text, bodies[i])
                 bodies[i] = None
             finished += 1

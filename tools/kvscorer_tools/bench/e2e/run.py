@@ -82,6 +82,7 @@ def run_e2e(
                     log(
                         f"{tag}: hit {r['hit_rate']:.3f}  p50 {r['ttft_p50_ms']:.0f} ms  "
                         f"p99 {r['ttft_p99_ms']:.0f} ms  errors {r['errors']}  "
+                        f"send lag p99 {r.get('send_lag_p99_ms', 0):.0f} ms  "
                         f"({time.perf_counter() - t:.0f}s)"
                     )
                 if "error" in r and "not installed" in str(r["error"]):

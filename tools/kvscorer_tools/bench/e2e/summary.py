@@ -40,6 +40,11 @@ def summarize(
         if n > 0:
             out["ttft_engine_mean_ms"] = round(t / n * 1000.0, 2)
     out["ttft_mean_ms"] = round(sum(ttft_ms) / len(ttft_ms), 2) if ttft_ms else 0.0
+    if res.send_lag_s:
+        # Model ms, like the latencies: compare with TTFT to judge the time scale.
+        out["send_lag_p99_ms"] = round(
+            percentile([x * 1000.0 * speed for x in res.send_lag_s], 99), 2
+        )
     if res.first_error:
         out["first_error"] = res.first_error
     return out
@@ -54,6 +59,7 @@ SPREAD_KEYS = (
     "imbalance",
     "ttft_mean_ms",
     "ttft_engine_mean_ms",
+    "send_lag_p99_ms",
 )
 
 
