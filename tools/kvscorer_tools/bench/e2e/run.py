@@ -15,6 +15,10 @@ from kvscorer_tools.bench.e2e.summary import combine_repeats, summarize
 from kvscorer_tools.bench.procs import ProcError, ProcGroup
 from kvscorer_tools.bench.workloads import Workload
 
+# Send lag (wall ms, p99) above which a run is flagged: the load generator could not fire
+# requests on time, so the machine, not the router, set the latencies.
+LAG_WARN_WALL_MS = 50.0
+
 
 def run_ours(
     group: ProcGroup,
@@ -85,6 +89,13 @@ def run_e2e(
                         f"send lag p99 {r.get('send_lag_p99_ms', 0):.0f} ms  "
                         f"({time.perf_counter() - t:.0f}s)"
                     )
+                    lag_wall_ms = r.get("send_lag_p99_ms", 0.0) / settings.speed
+                    if lag_wall_ms > LAG_WARN_WALL_MS:
+                        log(
+                            f"  warning: requests went out up to {lag_wall_ms:.0f} ms (wall) "
+                            "late: this machine did not keep up with --time-scale "
+                            f"{settings.speed:g}; latencies are inflated (lower it)"
+                        )
                 if "error" in r and "not installed" in str(r["error"]):
                     missing.add(name)  # no use trying it again in the next repeats
     finally:
