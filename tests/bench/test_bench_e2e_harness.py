@@ -134,3 +134,38 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
     assert 0 < rr["hit_rate"] <= doc["policies"]["oracle"]["hit_rate"] + 1e-9
     assert doc["settings"]["repeats"] == 2
     assert all(r["send_lag_p99_ms"] >= 0 for r in rr["runs"])
+
+
+def test_e2e_capacity_sweep_runs_each_capacity_on_its_own_fleet(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import kvscorer_tools.bench.e2e as e2e_pkg
+
+    seen: list[tuple[int | None, int, str]] = []
+
+    def fake_run_e2e(
+        wl: Any, policies: list[str], settings: E2ESettings, log: Any, repeats: int
+    ) -> dict[str, Any]:
+        cap = settings.capacity_blocks
+        seen.append((cap, repeats, str(settings.run_dir)))
+        hit = {500: 0.1, 1000: 0.2, 5000: 0.3}[cap or 0]
+        return {p: combine_repeats([entry(hit, 10, 100 / hit)] * repeats) for p in policies}
+
+    monkeypatch.setattr(e2e_pkg, "run_e2e", fake_run_e2e)
+    out = tmp_path / "o"
+    rc = main([
+        "bench", "--mode", "e2e", "--workload", "shared-prefix", "--out", str(out),
+        "--param", "groups=2", "--param", "prompts_per_group=2", "--sweep-capacity",
+        "--policies", "kv,vllm_router_kv_aware",
+    ])  # fmt: skip
+    assert rc == 0
+    assert [c for c, _, _ in seen] == [500, 1000, 5000]
+    assert all(r == 3 for _, r, _ in seen)  # e2e default
+    assert len({d for _, _, d in seen}) == 3  # a fleet (and its logs) per capacity
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["capacity_sweep"]["capacities"] == [500, 1000, 5000]
+    assert doc["capacity_sweep"]["hit_rate"]["vllm_router_kv_aware"] == [0.1, 0.2, 0.3]
+    assert doc["capacity_sweep"]["ttft_p99_ms"]["kv"] == [1000.0, 500.0, 333.3333]
+    assert doc["policies"]["kv"]["hit_rate"] == 0.2  # the --capacity-blocks (1,000) run
+    assert set(doc["by_capacity"]) == {"500", "1000", "5000"}
+    assert (out / "capacity_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

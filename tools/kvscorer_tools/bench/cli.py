@@ -280,6 +280,12 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
         body["capacity_sweep"] = sweep_doc(
             [c for c in caps if c in E2E_SWEEP_CAPACITIES], by_cap, policies, oracle
         )
+        # Every figure at every capacity (the sweep keeps hit rate and TTFT p99 only).
+        body["by_capacity"] = {str(c or "unbounded"): by_cap[c] for c in caps}
+        for c in caps:
+            if c != main_cap:
+                print()
+                print(report.format_table(by_cap[c], f"{wl.name} (e2e, {c} blocks per worker)"))
     return body
 
 

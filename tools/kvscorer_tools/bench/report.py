@@ -211,8 +211,9 @@ def plot_sweep(sweep: Mapping[str, Any], path: Path, title: str) -> Path:
                 continue
             style = "--" if name == ORACLE else "-"
             xs, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
-            lo = [y - (p[2][0] if p[2] else y) for y, p in zip(ys, pts, strict=True)]
-            hi = [(p[2][1] if p[2] else y) - y for y, p in zip(ys, pts, strict=True)]
+            # Clamped: the median is rounded, the range is not.
+            lo = [max(y - (p[2][0] if p[2] else y), 0.0) for y, p in zip(ys, pts, strict=True)]
+            hi = [max((p[2][1] if p[2] else y) - y, 0.0) for y, p in zip(ys, pts, strict=True)]
             if any(lo) or any(hi):
                 ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, marker="o", capsize=3, label=name)
             else:
