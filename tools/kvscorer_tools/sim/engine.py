@@ -57,6 +57,7 @@ class RequestRejected(ValueError):
 # Wall-clock seconds the engine may run behind its step deadlines and still catch up.
 CATCH_UP_S = 0.005
 
+
 @dataclass(eq=False)
 class SimRequest:
     """One generation request inside the engine."""
