@@ -28,19 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.config import Config
 from scorer.director import Director
-from scorer.extproc import conformance
+from scorer.extproc import conformance, wire
 from scorer.extproc import protocol as P
-from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
+from scorer.extproc.transport import AbortStream, H2GrpcServer, H2Stream, StreamContext
 from scorer.routing import Decision
 
 log = logging.getLogger("scorer.extproc")
@@ -94,6 +96,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._continue_response_body = P.continue_response_body()
         self._continue_response_trailers = P.continue_response_trailers()
         self._skip_response = P.mode_override_skip_response()
+        # The same answers as wire bytes, for the synchronous response path (`_answerer`).
+        self._continue_response_headers_wire = self._continue_response_headers.SerializeToString()
+        self._continue_response_body_wire = self._continue_response_body.SerializeToString()
         self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
 
     # ------------------------------------------------------------------ the RPC
@@ -325,38 +330,101 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         duplex = response_mode == P.FULL_DUPLEX
         # Body chunks reach us in any mode but NONE (a mode Envoy did not announce: none).
         bodies = response_mode != P.ProcessingMode.NONE
-        while True:
-            m = await context.read()
-            if m is _EOF:
-                return
-            assert isinstance(m, ep.ProcessingRequest)
-            k = m.WhichOneof("request")
-            if k == "response_body":
-                rb = m.response_body
-                data, end = rb.body, rb.end_of_stream
-                if duplex:
-                    await write(P.streamed_response_body(data, end))
-                else:
-                    await write(self._continue_response_body)
-                director.response_chunk(rid, data, end)
-            elif k == "response_headers":
-                rh = m.response_headers
-                status = P.response_status(m) or None
-                ctype = P.header_value(rh, "content-type")
-                if director.response_started(rid, status, P.served_endpoint(m), ctype, bodies):
-                    SERVED_MOVED.inc()
-                if self.echo_served:
-                    await write(conformance.served_response(m))
-                else:
-                    await write(self._continue_response_headers)
-                if rh.end_of_stream:
-                    director.response_ended(rid)
+        on_message = None
+        if isinstance(context, H2Stream):  # our transport (grpc.aio has no such hook)
+            on_message = context.on_message
+            on_message(self._answerer(rid, context, duplex, bodies))
+        try:
+            while True:
+                m = await context.read()
+                if m is _EOF:
                     return
-            elif k == "response_trailers":
-                await write(self._continue_response_trailers)
-                director.response_ended(rid)
-            else:
-                await self._passthrough(m, context)
+                assert isinstance(m, ep.ProcessingRequest)
+                k = m.WhichOneof("request")
+                if k == "response_body":
+                    rb = m.response_body
+                    data, end = rb.body, rb.end_of_stream
+                    if duplex:
+                        await write(P.streamed_response_body(data, end))
+                    else:
+                        await write(self._continue_response_body)
+                    director.response_chunk(rid, data, end)
+                elif k == "response_headers":
+                    self._response_started(rid, m, bodies)
+                    if self.echo_served:
+                        await write(conformance.served_response(m))
+                    else:
+                        await write(self._continue_response_headers)
+                    if m.response_headers.end_of_stream:
+                        director.response_ended(rid)
+                        return
+                elif k == "response_trailers":
+                    await write(self._continue_response_trailers)
+                    director.response_ended(rid)
+                else:
+                    await self._passthrough(m, context)
+        finally:
+            if on_message is not None:
+                on_message(None)
+
+    def _response_started(self, rid: str, m: ep.ProcessingRequest, bodies: bool) -> None:
+        """Tell the director the response's status, content type and served endpoint."""
+        status = P.response_status(m) or None
+        ctype = P.header_value(m.response_headers, "content-type")
+        if self.director.response_started(rid, status, P.served_endpoint(m), ctype, bodies):
+            SERVED_MOVED.inc()
+
+    def _answerer(
+        self, rid: str, stream: H2Stream, duplex: bool, bodies: bool
+    ) -> Callable[[bytes], bool]:
+        """The response path answered inside our transport's frame loop (H2Stream
+        `on_message`), no task switch per message: a body chunk is read from its wire
+        bytes (scorer.extproc.wire) and answered with pre-encoded bytes, then the
+        director sees it; response headers are answered at once, then read (protobuf)
+        for the director. Anything else (trailers, end of stream on the headers, a shape
+        the wire reader leaves to protobuf, a full send window) returns False and the
+        `_follow` loop handles it, the reference path."""
+        director = self.director
+        write_now = stream.write_now
+        continue_body = self._continue_response_body_wire
+        continue_headers = self._continue_response_headers_wire
+        headers_fast = not self.echo_served
+        chunk = wire.body_chunk
+        encode = wire.streamed_body_response
+        resp_body = wire.RESP_RESPONSE_BODY
+        checked_meta = b""  # metadata_context bytes already checked (the same per chunk)
+
+        def answer(raw: bytes) -> bool:
+            nonlocal checked_meta
+            got = chunk(raw)
+            if got is None:
+                if headers_fast and wire.request_kind(raw) == wire.REQ_RESPONSE_HEADERS:
+                    return answer_headers(raw)
+                return False
+            data, end, meta = got
+            if meta and meta != checked_meta:
+                # The protobuf path would reject a malformed one: checked once per value.
+                try:
+                    base_pb2.Metadata.FromString(meta)
+                except DecodeError:
+                    return False
+                checked_meta = meta
+            if not write_now(encode(data, end, resp_body) if duplex else continue_body):
+                return False
+            director.response_chunk(rid, data, end)
+            return True
+
+        def answer_headers(raw: bytes) -> bool:
+            try:
+                m = ep.ProcessingRequest.FromString(raw)
+            except DecodeError:
+                return False
+            if m.response_headers.end_of_stream or not write_now(continue_headers):
+                return False
+            self._response_started(rid, m, bodies)
+            return True
+
+        return answer
 
     async def _passthrough(
         self,
