@@ -100,6 +100,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._continue_response_headers_wire = self._continue_response_headers.SerializeToString()
         self._continue_response_body_wire = self._continue_response_body.SerializeToString()
         self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
+        self._answers_wire: dict[tuple[str, bool], bytes] = {}
+        self._continue_trailers = P.continue_trailers()
+        self._continue_trailers_wire = self._continue_trailers.SerializeToString()
 
     # ------------------------------------------------------------------ the RPC
 
@@ -214,12 +217,20 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(self._error_answer(d))
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint"), 0
 
-        await context.write(self._routing_answer(d, full_duplex))
+        # Our transport takes wire bytes: the cached answer's bytes and the body encoded
+        # by hand (scorer.extproc.wire), no protobuf built per request; grpc.aio takes
+        # the protobuf objects (the reference, tests/extproc/test_wire.py).
+        h2 = isinstance(context, H2Stream)
+        await context.write(self._routing_answer(d, full_duplex, h2))
         if full_duplex:
-            for r in P.streamed_body(body, end_of_stream=not trailers):
-                await context.write(r)
+            if h2:
+                for piece in wire.streamed_body(body, not trailers):
+                    await context.write(piece)
+            else:
+                for r in P.streamed_body(body, end_of_stream=not trailers):
+                    await context.write(r)
         if trailers:
-            await context.write(P.continue_trailers())
+            await context.write(self._continue_trailers_wire if h2 else self._continue_trailers)
         return (*self._routed(d), response_mode)
 
     def _subset(self, msg: ep.ProcessingRequest, headers: dict[str, str]) -> frozenset[str] | None:
@@ -231,15 +242,25 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         pairs = ((w.endpoint, w.ip) for w in self.director.pool)
         return conformance.restrict(hint, conformance.selection(headers), pairs)
 
-    def _routing_answer(self, d: Decision, full_duplex: bool) -> ep.ProcessingResponse:
+    def _routing_answer(
+        self, d: Decision, full_duplex: bool, as_wire: bool = False
+    ) -> ep.ProcessingResponse | bytes:
         """The answer carrying the destination: headers answer (FULL_DUPLEX) or body answer
         (BUFFERED). Without decision headers it only depends on the endpoint list, so it is
-        built once per endpoint list and reused (never mutated after it is cached)."""
+        built once per endpoint list and reused (never mutated after it is cached), as is
+        its serialized form (`as_wire`: returned for our transport)."""
         ends = P.join_endpoints(d.endpoints)
         key = (ends, full_duplex)
         if not self.decision_headers:
+            if as_wire:
+                data = self._answers_wire.get(key)
+                if data is not None:
+                    return data
             cached = self._answers.get(key)
             if cached is not None:
+                if as_wire:
+                    data = self._answers_wire[key] = cached.SerializeToString()
+                    return data
                 return cached
         mutation = self._mutation(d)
         metadata = P.destination_metadata(ends)
@@ -252,7 +273,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if not self.decision_headers:
             if len(self._answers) >= 4096:  # bounded: endpoint lists come from the pool
                 self._answers.clear()
+                self._answers_wire.clear()
             self._answers[key] = resp
+            if as_wire:
+                data = self._answers_wire[key] = resp.SerializeToString()
+                return data
         return resp
 
     def _routed(self, d: Decision) -> tuple[str | None, str]:

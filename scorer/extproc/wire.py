@@ -20,6 +20,8 @@ protobuf path, which then accepts, merges or rejects exactly as before.
 
 from __future__ import annotations
 
+from scorer.extproc.protocol import BODY_CHUNK_BYTES
+
 # ProcessingRequest fields (external_processor.proto).
 REQ_RESPONSE_HEADERS = 3
 REQ_RESPONSE_BODY = 5
@@ -181,6 +183,22 @@ def body_chunk(raw: bytes, field: int = REQ_RESPONSE_BODY) -> tuple[bytes, bool,
     except ValueError:
         return None
     return body, eos, meta
+
+
+def streamed_body(body: bytes, end_of_stream: bool) -> list[bytes]:
+    """`protocol.streamed_body` as wire bytes: the request body back in request_body
+    streamed responses of ≤ 62,000 bytes (protocol.BODY_CHUNK_BYTES), end_of_stream on
+    the last; an empty body is one empty chunk."""
+    n = len(body)
+    chunk = BODY_CHUNK_BYTES
+    if n <= chunk:
+        return [streamed_body_response(body, end_of_stream, RESP_REQUEST_BODY)]
+    out = []
+    for start in range(0, n, chunk):
+        last = start + chunk >= n
+        piece = body[start : start + chunk]
+        out.append(streamed_body_response(piece, end_of_stream and last, RESP_REQUEST_BODY))
+    return out
 
 
 def streamed_body_response(body: bytes, end_of_stream: bool, field: int) -> bytes:

@@ -63,6 +63,14 @@ def test_encoder_bytes_equal_protobuf(n: int, end: bool, seed: int) -> None:
         assert wire.streamed_body_response(body, end, wire.RESP_REQUEST_BODY) == ref
 
 
+@pytest.mark.parametrize("n", [0, 1, 62_000, 62_001, 124_000, 130_000])
+@pytest.mark.parametrize("end", [True, False])
+def test_request_body_streamed_back_bytes_equal_protobuf(n: int, end: bool) -> None:
+    body = _body(n)
+    ref = [r.SerializeToString() for r in P.streamed_body(body, end_of_stream=end)]
+    assert wire.streamed_body(body, end) == ref
+
+
 # ------------------------------------------------------------------ reader
 
 
