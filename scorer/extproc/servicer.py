@@ -92,17 +92,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._releasing = False
         # Prebuilt constant responses (no per-request allocation for the common answers).
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
-        self._continue_response_headers = P.continue_headers(response_path=True)
-        self._continue_response_body = P.continue_response_body()
-        self._continue_response_trailers = P.continue_response_trailers()
         self._skip_response = P.mode_override_skip_response()
-        # The same answers as wire bytes, for the synchronous response path (`_answerer`).
-        self._continue_response_headers_wire = self._continue_response_headers.SerializeToString()
-        self._continue_response_body_wire = self._continue_response_body.SerializeToString()
+        # Constant answers serialized once (written as bytes on both transports).
+        self._continue_response_headers_wire = P.continue_headers(
+            response_path=True
+        ).SerializeToString()
+        self._continue_response_body_wire = P.continue_response_body().SerializeToString()
+        self._continue_response_trailers_wire = P.continue_response_trailers().SerializeToString()
         self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
         self._answers_wire: dict[tuple[str, bool], bytes] = {}
-        self._continue_trailers = P.continue_trailers()
-        self._continue_trailers_wire = self._continue_trailers.SerializeToString()
+        self._continue_trailers_wire = P.continue_trailers().SerializeToString()
 
     # ------------------------------------------------------------------ the RPC
 
@@ -217,20 +216,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(self._error_answer(d))
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint"), 0
 
-        # Our transport takes wire bytes: the cached answer's bytes and the body encoded
-        # by hand (scorer.extproc.wire), no protobuf built per request; grpc.aio takes
-        # the protobuf objects (the reference, tests/extproc/test_wire.py).
-        h2 = isinstance(context, H2Stream)
-        await context.write(self._routing_answer(d, full_duplex, h2))
+        # Wire bytes on both transports (add_to_server's serializer passes bytes through):
+        # the cached answer's bytes and the body encoded by hand (scorer.extproc.wire,
+        # checked against protocol.streamed_body in tests/extproc/test_wire.py).
+        await context.write(self._routing_answer(d, full_duplex, as_wire=True))
         if full_duplex:
-            if h2:
-                for piece in wire.streamed_body(body, not trailers):
-                    await context.write(piece)
-            else:
-                for r in P.streamed_body(body, end_of_stream=not trailers):
-                    await context.write(r)
+            for piece in wire.streamed_body(body, not trailers):
+                await context.write(piece)
         if trailers:
-            await context.write(self._continue_trailers_wire if h2 else self._continue_trailers)
+            await context.write(self._continue_trailers_wire)
         return (*self._routed(d), response_mode)
 
     def _subset(self, msg: ep.ProcessingRequest, headers: dict[str, str]) -> frozenset[str] | None:
@@ -372,19 +366,19 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     if duplex:
                         await write(P.streamed_response_body(data, end))
                     else:
-                        await write(self._continue_response_body)
+                        await write(self._continue_response_body_wire)
                     director.response_chunk(rid, data, end)
                 elif k == "response_headers":
                     self._response_started(rid, m, bodies)
                     if self.echo_served:
                         await write(conformance.served_response(m))
                     else:
-                        await write(self._continue_response_headers)
+                        await write(self._continue_response_headers_wire)
                     if m.response_headers.end_of_stream:
                         director.response_ended(rid)
                         return
                 elif k == "response_trailers":
-                    await write(self._continue_response_trailers)
+                    await write(self._continue_response_trailers_wire)
                     director.response_ended(rid)
                 else:
                     await self._passthrough(m, context)
@@ -476,9 +470,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         await context.write(resp)
 
 
+def _serialize(message: ep.ProcessingResponse | bytes) -> bytes:
+    # Pre-serialized answers (cached routing answers, wire-encoded bodies) pass through.
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def add_to_server(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer on a grpc.aio server."""
-    ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    """Register the servicer on a grpc.aio server (the generated registration's method
+    and deserializer; a serializer that also takes already-serialized answers)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.Process,
+        request_deserializer=ep.ProcessingRequest.FromString,
+        response_serializer=_serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "envoy.service.ext_proc.v3.ExternalProcessor", {"Process": handler}
+            ),
+        )
+    )
 
 
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
