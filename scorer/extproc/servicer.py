@@ -399,14 +399,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """The response path answered inside our transport's frame loop (H2Stream
         `on_message`), no task switch per message: a body chunk is read from its wire
         bytes (scorer.extproc.wire) and answered with pre-encoded bytes, then the
-        director sees it; response headers are answered at once, then read (protobuf)
-        for the director. Anything else (trailers, end of stream on the headers, a shape
+        director sees it; response headers and trailers are answered at once, then read
+        (protobuf) for the director. Anything else (end of stream on the headers, a shape
         the wire reader leaves to protobuf, a full send window) returns False and the
         `_follow` loop handles it, the reference path."""
         director = self.director
         write_now = stream.write_now
         continue_body = self._continue_response_body_wire
         continue_headers = self._continue_response_headers_wire
+        continue_trailers = self._continue_response_trailers_wire
         headers_fast = not self.echo_served
         chunk = wire.body_chunk
         encode = wire.streamed_body_response
@@ -417,8 +418,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             nonlocal checked_meta
             got = chunk(raw)
             if got is None:
-                if headers_fast and wire.request_kind(raw) == wire.REQ_RESPONSE_HEADERS:
+                kind = wire.request_kind(raw)
+                if kind == wire.REQ_RESPONSE_HEADERS and headers_fast:
                     return answer_headers(raw)
+                if kind == wire.REQ_RESPONSE_TRAILERS:
+                    return answer_trailers(raw)
                 return False
             data, end, meta = got
             if meta and meta != checked_meta:
@@ -441,6 +445,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if m.response_headers.end_of_stream or not write_now(continue_headers):
                 return False
             self._response_started(rid, m, bodies)
+            return True
+
+        def answer_trailers(raw: bytes) -> bool:
+            try:
+                ep.ProcessingRequest.FromString(raw)  # the protobuf path would reject a bad one
+            except DecodeError:
+                return False
+            if not write_now(continue_trailers):
+                return False
+            director.response_ended(rid)
             return True
 
         return answer

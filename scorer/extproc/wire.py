@@ -4,7 +4,8 @@ its bytes and answered with pre-encoded bytes. `protocol.py` (protobuf objects) 
 reference; tests/extproc/test_wire.py checks both give the same bytes for the same input.
 
 Field numbers: Envoy v3 API `envoy/service/ext_proc/v3/external_processor.proto`
-(ProcessingRequest: response_headers 3, response_body 5, metadata_context 8,
+(ProcessingRequest: response_headers 3, response_body 5, response_trailers 7,
+metadata_context 8,
 observability_mode 10; the oneof `request` is fields 2-7; HttpBody: body 1,
 end_of_stream 2, end_of_stream_without_message 3, grpc_message_compressed 4;
 ProcessingResponse: request_body 3, response_body 4; BodyResponse.response 1;
@@ -25,6 +26,7 @@ from scorer.extproc.protocol import BODY_CHUNK_BYTES
 # ProcessingRequest fields (external_processor.proto).
 REQ_RESPONSE_HEADERS = 3
 REQ_RESPONSE_BODY = 5
+REQ_RESPONSE_TRAILERS = 7
 REQ_METADATA_CONTEXT = 8
 REQ_OBSERVABILITY_MODE = 10
 _ONEOF = frozenset((2, 3, 4, 5, 6, 7))  # the `request` oneof

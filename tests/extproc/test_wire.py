@@ -486,7 +486,8 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
 def test_plain_response_is_answered_entirely_by_the_fast_path(rig: Any, duplex: bool) -> None:
     loop, app, calls = rig
     msgs = [resp_headers_raw("200", False, "1.2.3.4:8")]
-    msgs += [chunk_raw(_body(n, n), n == 40, "metadata served") for n in (0, 10, 40)]
+    msgs += [chunk_raw(_body(n, n), False, "metadata served") for n in (0, 10, 40)]
+    msgs.append(TRAILERS)
     taken: list[bool] = []
     mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
     _, resp = loop.run_until_complete(exchange(app, True, "plain", mode, msgs, [5], [], taken))
@@ -495,8 +496,9 @@ def test_plain_response_is_answered_entirely_by_the_fast_path(rig: Any, duplex: 
     assert len(got) == len(msgs)
     assert ep.ProcessingResponse.FromString(got[0][3][5:]).HasField("response_headers")
     if duplex:
-        sr = ep.ProcessingResponse.FromString(got[-1][3][5:]).response_body.response
+        sr = ep.ProcessingResponse.FromString(got[-2][3][5:]).response_body.response
         assert sr.body_mutation.streamed_response.body == _body(40, 40)
-        assert sr.body_mutation.streamed_response.end_of_stream
+    assert ep.ProcessingResponse.FromString(got[-1][3][5:]).HasField("response_trailers")
     started = [c for c in calls if c[0] == "response_started"]
     assert started[-1][1] == (200, "1.2.3.4:8", "text/event-stream", True)
+    assert calls[-1][0] == "response_ended"
