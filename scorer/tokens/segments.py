@@ -54,13 +54,19 @@ def ids_to_bytes(ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def bytes_to_ids(buf: bytes) -> list[int]:
-    """The inverse of `ids_to_bytes`."""
+def ids_array(buf: bytes) -> array[int]:
+    """Packed ids as an `array("I")`: a sequence of ints at the cost of one copy (a list
+    costs ~15 ns per id to build)."""
     arr = array("I")
     arr.frombytes(buf)
     if _BIG:
         arr.byteswap()
-    return arr.tolist()
+    return arr
+
+
+def bytes_to_ids(buf: bytes) -> list[int]:
+    """The inverse of `ids_to_bytes`."""
+    return ids_array(buf).tolist()
 
 
 class SegmentCache:

@@ -33,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 
 from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config, ConfigError
 from scorer.errors import json_error
+from scorer.histogram import LoopHistogram
 from scorer.routing import RoutingRequest
 from scorer.tokens.budget import BudgetExceeded
 from scorer.tokens.chat import ChatError, render_chat
@@ -47,11 +48,12 @@ from scorer.tokens.registry import (
     TokenizerLoadError,
     load_tokenizer_shared,
 )
-from scorer.tokens.segments import SegmentCache, bytes_to_ids, ids_to_bytes
+from scorer.tokens.segments import SegmentCache, bytes_to_ids, ids_array, ids_to_bytes
 
 log = logging.getLogger(__name__)
 
-TOKENIZE_SECONDS = Histogram(
+# Observed on the event loop when the work is done (wherever it ran): see scorer.histogram.
+TOKENIZE_SECONDS = LoopHistogram(
     "kv_scorer_tokenize_seconds",
     "Time from request body to block keys (render + tokenize + hash), in the worker thread.",
     buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
@@ -61,6 +63,8 @@ TOKENIZE_OUTCOMES = Counter(
     "Requests through the tokens stage by outcome (ok, no_tokenizer, error, over_budget).",
     ["outcome"],
 )
+# Children resolved once (labels() takes a lock and builds a key per call).
+_OUTCOME = {o: TOKENIZE_OUTCOMES.labels(o) for o in ("ok", "no_tokenizer", "error", "over_budget")}
 
 
 # Requests whose prompt is estimated (from the body size) at most this many tokens are
@@ -120,7 +124,7 @@ class PromptTooLarge(TokenizeError):
 class TokenizedPrompt:
     """A request's prompt as the engine will see it, and its block keys."""
 
-    token_ids: list[int]
+    packed: bytes  # the token ids as little-endian uint32 (scorer.blocks' packed form)
     block_keys: list[int]
     namespace: int
     block_size: int
@@ -130,6 +134,15 @@ class TokenizedPrompt:
     kind: str = "completion"  # "completion" | "chat" | "token_ids"
     stats: dict[str, int] = field(default_factory=dict)
     hash_seconds: float = 0.0  # of which: chaining the block keys (decision stage "hash")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids as a list (built on each access; the request path uses `packed`)."""
+        return bytes_to_ids(self.packed)
+
+    def __len__(self) -> int:
+        """Prompt tokens."""
+        return len(self.packed) // 4
 
 
 class Tokenization:
@@ -229,7 +242,7 @@ class Tokenization:
                 "lora": tp.lora,
                 "cache_salt": tp.cache_salt,
                 "kind": tp.kind,
-                "prompt_tokens": len(tp.token_ids),
+                "prompt_tokens": len(tp),
                 "token_ids": tp.token_ids,
                 "block_size": tp.block_size,
                 "namespace": tp.namespace,
@@ -323,7 +336,7 @@ class Tokenization:
         hash_seconds = time.perf_counter() - t_hash
         return TokenizedPrompt(
             hash_seconds=hash_seconds,
-            token_ids=bytes_to_ids(buf),
+            packed=buf,
             block_keys=keys,
             namespace=ns,
             block_size=self.hasher.block_size,
@@ -444,29 +457,28 @@ class Tokenization:
             return
         model = request.model if request.model is not None else body.get("model")
         if self.tokenizer_for(model) is None and not is_token_id_prompt(body):
-            TOKENIZE_OUTCOMES.labels("no_tokenizer").inc()
+            _OUTCOME["no_tokenizer"].inc()
             return  # token_ids stays None: the policy routes by load (no_tokenizer)
         try:
             tp = self.tokenize_body(model, body, lora=request.lora, cache_salt=request.cache_salt)
         except PromptTooLarge as e:
             request.over_budget = str(e)
-            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            _OUTCOME["over_budget"].inc()
             return
         except (TokenizeError, NoTokenizer) as e:
             request.tokenize_error = str(e)
-            TOKENIZE_OUTCOMES.labels("error").inc()
+            _OUTCOME["error"].inc()
             return
-        request.token_ids = tp.token_ids
+        request.token_ids = ids_array(tp.packed)
         request.block_keys = tp.block_keys
         request.block_size = tp.block_size
-        request.prompt_tokens = len(tp.token_ids)
+        request.prompt_tokens = len(tp)
         if request.cache_salt is None:
             request.cache_salt = tp.cache_salt
         if request.lora is None:
             request.lora = tp.lora
-        TOKENIZE_OUTCOMES.labels("ok").inc()
+        _OUTCOME["ok"].inc()
         elapsed = time.perf_counter() - t0
-        TOKENIZE_SECONDS.observe(elapsed)
         # Decision stages: render + encode, then hashing (the router reports both).
         request.stages["tokenize"] = elapsed - tp.hash_seconds
         request.stages["hash"] = tp.hash_seconds
@@ -486,7 +498,7 @@ class Tokenization:
             n = _id_count(body)
             if n > self.max_prompt_tokens:
                 request.over_budget = self._tokens_message(n)
-                TOKENIZE_OUTCOMES.labels("over_budget").inc()
+                _OUTCOME["over_budget"].inc()
                 return
             inline = n <= INLINE_MAX_IDS
         elif (
@@ -499,13 +511,16 @@ class Tokenization:
             return
         elif request.body_bytes > self.max_tokenize_bytes:
             request.over_budget = self.bytes_message(request.body_bytes)
-            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            _OUTCOME["over_budget"].inc()
             return
         else:
             inline = 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
         if inline and "chat_template" not in body:  # request-supplied code: always off the loop
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
             self.prepare_sync(request)
-            return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor(), self.prepare_sync, request)
+        else:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor(), self.prepare_sync, request)
+        if request.block_keys is not None:
+            stages = request.stages
+            TOKENIZE_SECONDS.observe(stages.get("tokenize", 0.0) + stages.get("hash", 0.0))
