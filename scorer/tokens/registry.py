@@ -135,6 +135,11 @@ class LocalTokenizer:
         self.space = next(_space_ids)
         self._pattern = added_token_pattern(self.added)
         self._added_bytes = {c: ids_to_bytes([i]) for c, i in self.added.items()}
+        # A text cut right after an added token splits the same way on its own as inside
+        # any longer text, unless some added token contains another one (then a longer
+        # match could start inside the cut text and run past it): scorer.tokens.prefix.
+        contents = [c for c in self.added if c]
+        self.prefix_safe = not any(a != b and a in b for a in contents for b in contents)
 
     # -- encoding ---------------------------------------------------------------------
     def encode_whole(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -172,46 +177,52 @@ class LocalTokenizer:
                 stats.misses += 1
                 stats.encoded_chars += len(text)
         else:
-            pieces = self.split(text)
-            texts = pieces[0::2]
-            # Empty pieces (adjacent added tokens) encode to nothing: skip them.
-            wanted = [t for t in texts if t]
-            found = cache.lookup(self.space, wanted)
-            got: dict[str, bytes] = {}
-            missing: list[str] = []
-            for t, v in zip(wanted, found, strict=True):
-                if v is None:
-                    missing.append(t)
-                else:
-                    got[t] = v
-            if missing:
-                uniq = list(dict.fromkeys(missing))
-                batch = self.tokenizer.encode_batch_fast
-                if sum(map(len, uniq)) < PARALLEL_MIN_CHARS:
-                    # A new turn: encode in this thread. Fanning a few small pieces out to
-                    # tokenizers' rayon pool costs more in wake-ups than it saves.
-                    encs = [batch([t], add_special_tokens=False)[0] for t in uniq]
-                else:
-                    # A cold, long prompt: one batch, encoded in parallel by tokenizers.
-                    encs = batch(uniq, add_special_tokens=False)
-                new = [(t, ids_to_bytes(e.ids)) for t, e in zip(uniq, encs, strict=True)]
-                cache.store(self.space, new)
-                got.update(new)
-            if stats is not None:
-                stats.segments += len(wanted)
-                stats.misses += len(missing)
-                stats.encoded_chars += sum(len(t) for t in missing)
-            added = self._added_bytes
-            out: list[bytes] = []
-            for i, p in enumerate(pieces):
-                if i & 1:
-                    out.append(added[p])
-                elif p:
-                    out.append(got[p])
-            body = b"".join(out)
+            body = b"".join(self.encode_parts(self.split(text), cache, stats))
         if add_special_tokens and (self.prefix_ids or self.suffix_ids):
             body = ids_to_bytes(self.prefix_ids) + body + ids_to_bytes(self.suffix_ids)
         return body
+
+    def encode_parts(
+        self, pieces: list[str], cache: SegmentCache, stats: EncodeStats | None = None
+    ) -> list[bytes]:
+        """Packed ids of each non-empty piece of `split` output, in order: cached text
+        pieces looked up, the rest encoded."""
+        texts = pieces[0::2]
+        # Empty pieces (adjacent added tokens) encode to nothing: skip them.
+        wanted = [t for t in texts if t]
+        found = cache.lookup(self.space, wanted)
+        got: dict[str, bytes] = {}
+        missing: list[str] = []
+        for t, v in zip(wanted, found, strict=True):
+            if v is None:
+                missing.append(t)
+            else:
+                got[t] = v
+        if missing:
+            uniq = list(dict.fromkeys(missing))
+            batch = self.tokenizer.encode_batch_fast
+            if sum(map(len, uniq)) < PARALLEL_MIN_CHARS:
+                # A new turn: encode in this thread. Fanning a few small pieces out to
+                # tokenizers' rayon pool costs more in wake-ups than it saves.
+                encs = [batch([t], add_special_tokens=False)[0] for t in uniq]
+            else:
+                # A cold, long prompt: one batch, encoded in parallel by tokenizers.
+                encs = batch(uniq, add_special_tokens=False)
+            new = [(t, ids_to_bytes(e.ids)) for t, e in zip(uniq, encs, strict=True)]
+            cache.store(self.space, new)
+            got.update(new)
+        if stats is not None:
+            stats.segments += len(wanted)
+            stats.misses += len(missing)
+            stats.encoded_chars += sum(len(t) for t in missing)
+        added = self._added_bytes
+        out: list[bytes] = []
+        for i, p in enumerate(pieces):
+            if i & 1:
+                out.append(added[p])
+            elif p:
+                out.append(got[p])
+        return out
 
     def encode(
         self, text: str, cache: SegmentCache | None = None, add_special_tokens: bool = False

@@ -42,13 +42,20 @@ from scorer.histogram import LoopHistogram
 from scorer.routing import RoutingRequest
 from scorer.tokens.budget import BudgetExceeded
 from scorer.tokens.chat import ChatError, render_chat
+from scorer.tokens.prefix import HEAD_CHARS, PrefixState, PrefixStates, Space
 from scorer.tokens.registry import (
     EncodeStats,
     LocalTokenizer,
     TokenizerLoadError,
     load_tokenizer_shared,
 )
-from scorer.tokens.segments import SegmentCache, bytes_to_ids, ids_array, ids_to_bytes
+from scorer.tokens.segments import (
+    SEGMENT_BYTES,
+    SegmentCache,
+    bytes_to_ids,
+    ids_array,
+    ids_to_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +128,16 @@ class PromptTooLarge(TokenizeError):
 
 
 @dataclass(slots=True)
+class _Cut:
+    """Where a prompt's text is cut for the prefix states, and the state it extends."""
+
+    space: Space
+    text: str
+    packed_bytes: int
+    replaces: int | None
+
+
+@dataclass(slots=True)
 class TokenizedPrompt:
     """A request's prompt as the engine will see it, and its block keys."""
 
@@ -167,6 +184,8 @@ class Tokenization:
         tc = config.tokens
         self.lora_base = dict(tc.lora_base)
         self.cache = SegmentCache(tc.segment_cache_bytes)
+        # Conversation prefixes already split and hashed get a quarter of the budget.
+        self.prefixes = PrefixStates(tc.segment_cache_bytes // 4, SEGMENT_BYTES.inc)
         self._tokenizers: dict[str, LocalTokenizer] = {}
         by_source: dict[tuple[str, str | None], LocalTokenizer] = {}
         for model, mc in tc.models.items():
@@ -216,6 +235,7 @@ class Tokenization:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self.cache.clear()
+        self.prefixes.clear()
 
     def routes(self) -> list[tuple[str, str, Any]]:
         """Admin HTTP: `POST /debug/tokenize` (a request body → tokens, keys, namespace)."""
@@ -310,13 +330,16 @@ class Tokenization:
         add_special = body.get("add_special_tokens")
         if add_special is not None and not isinstance(add_special, bool):
             raise TokenizeError("add_special_tokens must be a boolean")
+        known: tuple[int, ...] = ()
+        cut: _Cut | None = None
         if "messages" in body:
             kind = "chat"
             assert lt is not None  # only token-id prompts get here without a tokenizer
-            buf = self._chat_bytes(lt, body, bool(add_special), stats)
+            text = self._render(lt, body, stats)
+            buf, known, cut = self._text_bytes(lt, text, bool(add_special), ns, stats)
         elif "prompt" in body:
-            kind, buf = self._prompt_bytes(
-                lt, body["prompt"], True if add_special is None else add_special, stats
+            kind, buf, known, cut = self._prompt_bytes(
+                lt, body["prompt"], True if add_special is None else add_special, ns, stats
             )
         else:
             raise TokenizeError("the body has neither 'messages' nor 'prompt'")
@@ -331,9 +354,20 @@ class Tokenization:
             if trunc > 0 and len(buf) > 4 * trunc:
                 buf = buf[len(buf) - 4 * trunc :]
                 stats["truncated_to"] = trunc
+                known, cut = (), None  # the blocks moved: nothing of the prefix holds
         t_hash = time.perf_counter()
-        keys = self.hasher.keys_from_bytes(buf, ns)
+        hasher = self.hasher
+        if known:
+            # The prefix's full blocks are hashed already: chain on from its last key.
+            keys = list(known)
+            keys += hasher.keys_from_bytes(buf[len(known) * hasher.block_size * 4 :], 0, known[-1])
+        else:
+            keys = hasher.keys_from_bytes(buf, ns)
         hash_seconds = time.perf_counter() - t_hash
+        if cut is not None:
+            n = cut.packed_bytes // (4 * hasher.block_size)
+            state = PrefixState(cut.text, buf[: cut.packed_bytes], tuple(keys[:n]))
+            self.prefixes.store(cut.space, state, cut.replaces)
         return TokenizedPrompt(
             hash_seconds=hash_seconds,
             packed=buf,
@@ -385,41 +419,82 @@ class Tokenization:
             REQUEST_TEMPLATES.labels("over_budget").inc()
             raise TokenizeError(str(e)) from e
 
-    def _chat_bytes(
+    def _text_bytes(
         self,
         lt: LocalTokenizer,
-        body: Mapping[str, Any],
+        text: str,
         add_special: bool,
+        ns: int,
         stats: dict[str, int],
-    ) -> bytes:
-        text = self._render(lt, body, stats)
+    ) -> tuple[bytes, tuple[int, ...], _Cut | None]:
+        """Packed ids of a prompt text; the keys of the leading full blocks when a stored
+        prefix gave them; where to cut this text for the next request (scorer.tokens.prefix)."""
         es = EncodeStats()
-        buf = lt.encode_bytes(text, self.cache, add_special, es)
+        cache = self.cache
+        if not (
+            lt.prefix_safe
+            and lt.segment_safe
+            and cache.max_bytes > 0
+            and self.prefixes.max_bytes > 0
+            and len(text) >= HEAD_CHARS
+        ):
+            buf = lt.encode_bytes(text, cache, add_special, es)
+            stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
+            return buf, (), None
+        specials = add_special and bool(lt.prefix_ids or lt.suffix_ids)
+        space = (lt.space, ns, specials)
+        found = self.prefixes.find(space, text)
+        known: tuple[int, ...] = ()
+        handle: int | None = None
+        if found is None:
+            start, head = 0, b""
+            if specials:
+                head = ids_to_bytes(lt.prefix_ids)
+        else:
+            handle, st = found
+            start, head, known = len(st.text), st.packed, st.keys
+            stats["prefix_chars"] = start
+        pieces = lt.split(text[start:] if start else text)
+        parts = lt.encode_parts(pieces, cache, es)
         stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
-        return buf
+        body = b"".join(parts)
+        cut: _Cut | None = None
+        last = pieces[-1]
+        cut_chars = len(text) - len(last)
+        if len(pieces) > 1 and cut_chars >= HEAD_CHARS:
+            # The next request of this conversation starts here: after the last added token.
+            packed = len(head) + len(body) - (len(parts[-1]) if last else 0)
+            cut = _Cut(space, text[:cut_chars], packed, handle)
+        buf = head + body
+        if specials and lt.suffix_ids:
+            buf += ids_to_bytes(lt.suffix_ids)
+        return buf, known, cut
 
     def _prompt_bytes(
-        self, lt: LocalTokenizer | None, prompt: Any, add_special: bool, stats: dict[str, int]
-    ) -> tuple[str, bytes]:
+        self,
+        lt: LocalTokenizer | None,
+        prompt: Any,
+        add_special: bool,
+        ns: int,
+        stats: dict[str, int],
+    ) -> tuple[str, bytes, tuple[int, ...], _Cut | None]:
         if isinstance(prompt, list):
             if not prompt:
                 raise TokenizeError("prompt must not be an empty list")
             first = prompt[0]
             if isinstance(first, int) and not isinstance(first, bool):
-                return "token_ids", self._ids_bytes(prompt)
+                return "token_ids", self._ids_bytes(prompt), (), None
             # A batch: score the first prompt (see the module docstring).
             stats["batch"] = len(prompt)
             prompt = first
             if isinstance(prompt, list):
-                return "token_ids", self._ids_bytes(prompt)
+                return "token_ids", self._ids_bytes(prompt), (), None
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string, a list of token ids, or a batch")
         if lt is None:
             raise NoTokenizer("a text prompt needs a tokenizer")
-        es = EncodeStats()
-        buf = lt.encode_bytes(prompt, self.cache, add_special, es)
-        stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
-        return "completion", buf
+        buf, known, cut = self._text_bytes(lt, prompt, add_special, ns, stats)
+        return "completion", buf, known, cut
 
     def _tokens_message(self, n: int) -> str:
         return (
