@@ -135,6 +135,7 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 _DICT_ATTRS = frozenset(dir(dict))
+_MISSING = object()
 _STR_WRAPPED = frozenset({"format", "format_map"})  # the sandbox wraps these two
 _LOOP_ATTRS = frozenset(
     {"index", "index0", "first", "last", "length", "revindex", "revindex0", "depth", "depth0"}
@@ -149,16 +150,16 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     render of a long conversation. The shortcuts return exactly what that path returns:
     a dict key that is not a dict attribute (undefined when the dict lacks it), or a
     public str method other than the format methods (str is immutable, its methods
-    return plain data). Everything else
-    goes through the full sandbox.
+    return plain data). Everything else goes through the full sandbox.
     """
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         t = type(obj)
         if t is dict:
             if attribute not in _DICT_ATTRS:
-                if attribute in obj:
-                    return obj[attribute]
+                v = obj.get(attribute, _MISSING)
+                if v is not _MISSING:
+                    return v
                 # What the generic path ends with for a missing key (`is defined` tests on
                 # optional message fields): no attribute, no item, so undefined.
                 return self.undefined(obj=obj, name=attribute)

@@ -112,6 +112,13 @@ class SegmentCache:
             SEGMENT_MISSES.inc(len(texts) - hits)
         return out
 
+    def missing_chars(self, space: int, texts: Iterable[str]) -> int:
+        """Characters of `texts` not in the cache (what encoding them would take); a peek:
+        no recency change, no hit or miss counted."""
+        data = self._data
+        with self._lock:
+            return sum(len(t) for t in texts if t and (space, t) not in data)
+
     def store(self, space: int, items: Iterable[tuple[str, bytes]]) -> None:
         """Remember encoded segments, evicting least recently used ones over budget."""
         if self.max_bytes <= 0:

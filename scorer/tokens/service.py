@@ -74,9 +74,19 @@ TOKENIZE_OUTCOMES = Counter(
 _OUTCOME = {o: TOKENIZE_OUTCOMES.labels(o) for o in ("ok", "no_tokenizer", "error", "over_budget")}
 
 
-# Requests whose prompt is estimated (from the body size) at most this many tokens are
-# tokenized on the event loop: encoding them costs less than handing them to a thread.
-INLINE_MAX_TOKENS = 256
+# Text prompts are tokenized on the event loop when the work is estimated to cost at most
+# INLINE_BUDGET_S: about what handing them to the pool costs (the hop measured ~100-130 µs
+# per request by bench/profile_kv.py). The estimate counts every body byte as a character
+# to encode at the tokenizer's measured typical rate (`LocalTokenizer.encode_ns_per_char`)
+# plus the chat template's render per message. The same bytes at the tokenizer's worst
+# measured rate (random words, nothing cached) must stay within INLINE_MAX_STALL_S: the
+# bound on how long one request may hold the loop, whatever it sends. Bodies over
+# INLINE_MAX_BYTES never run on the loop.
+INLINE_BUDGET_S = 100e-6
+INLINE_MAX_STALL_S = 1e-3
+INLINE_MAX_BYTES = 8192
+# The Qwen3 template renders ~5 µs per message (bench/bench_tokens.py: 0.30 ms for 58).
+RENDER_S_PER_MESSAGE = 6e-6
 # Token-id prompts up to this many ids are hashed on the event loop (~20 µs per 1,000 ids);
 # longer ones go to the pool like any other heavy work.
 INLINE_MAX_IDS = 2048
@@ -523,6 +533,31 @@ class Tokenization:
         except OverflowError as e:
             raise TokenizeError("token ids must be in [0, 2**32)") from e
 
+    def inline_text(self, model: Any, body: Mapping[str, Any], body_bytes: int) -> bool:
+        """Whether a text body's tokens stage is cheap enough for the event loop (see
+        INLINE_BUDGET_S): characters to encode (a completion prompt's pieces missing from
+        the segment cache; else every body byte) x the tokenizer's measured rates, plus the
+        render per chat message, within the budget (typical rate) and the stall bound
+        (worst rate)."""
+        if not 0 < body_bytes <= INLINE_MAX_BYTES:
+            return False
+        lt = self.tokenizer_for(model if isinstance(model, str) else None)
+        if lt is None:
+            return False
+        render = 0.0
+        chars = body_bytes
+        messages = body.get("messages")
+        prompt = body.get("prompt")
+        if messages is not None:
+            render = (len(messages) if isinstance(messages, list) else 1) * RENDER_S_PER_MESSAGE
+        elif isinstance(prompt, str) and lt.segment_safe and self.cache.max_bytes > 0:
+            # A completion prompt's pieces are known before any work: count only the
+            # characters the segment cache does not hold (a repeated prompt costs lookups).
+            chars = self.cache.missing_chars(lt.space, lt.split(prompt)[0::2])
+        typical = chars * lt.encode_ns_per_char * 1e-9 + render
+        worst = chars * lt.encode_ns_per_char_worst * 1e-9 + render
+        return typical <= INLINE_BUDGET_S and worst <= INLINE_MAX_STALL_S
+
     # -- RequestPreparer -------------------------------------------------------------------
     def prepare_sync(self, request: RoutingRequest) -> None:
         """Fill the request's token fields in the calling thread (see `prepare`)."""
@@ -589,7 +624,7 @@ class Tokenization:
             _OUTCOME["over_budget"].inc()
             return
         else:
-            inline = 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
+            inline = self.inline_text(request.model or body.get("model"), body, request.body_bytes)
         if inline and "chat_template" not in body:  # request-supplied code: always off the loop
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
             self.prepare_sync(request)
