@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 # Observed on the event loop when the work is done (wherever it ran): see scorer.histogram.
 TOKENIZE_SECONDS = LoopHistogram(
     "kv_scorer_tokenize_seconds",
-    "Time from request body to block keys (render + tokenize + hash), in the worker thread.",
+    "Time from request body to block keys (render + tokenize + hash).",
     buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
 TOKENIZE_OUTCOMES = Counter(
