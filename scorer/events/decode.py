@@ -254,23 +254,25 @@ def _fast_payload(payload: bytes) -> EventBatch | None:
 # the compiled `msgpack_uint32s` turns it into an array('I') without making one Python int
 # per token. Any token list it does not take (an id outside uint32, a non-int) sends the
 # payload to the generic path, which gives the reference meaning (event error / bad_tokens).
+# gc=False: these short-lived structs hold no cycles (lists of ints/bytes, Raw views), so the
+# collector need not track them (fewer collections while a large index is built).
 
 
-class _AStoredRaw(_AStored, tag="BlockStored", array_like=True):
+class _AStoredRaw(_AStored, tag="BlockStored", array_like=True, gc=False):
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
-class _ABatchRaw(msgspec.Struct, array_like=True):
+class _ABatchRaw(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_AStoredRaw | _ARemoved | _ACleared]
     data_parallel_rank: int | None = None
 
 
-class _MStoredRaw(_MStored, tag="BlockStored", tag_field="type"):
+class _MStoredRaw(_MStored, tag="BlockStored", tag_field="type", gc=False):
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
-class _MBatchRaw(msgspec.Struct, array_like=True):
+class _MBatchRaw(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[_MStoredRaw | _MRemoved | _MCleared]
     data_parallel_rank: int | None = None
