@@ -96,6 +96,8 @@ cdef list _chain(const uint8_t* data, Py_ssize_t n, Py_ssize_t stride, uint64_t 
 def chain_keys(tokens, Py_ssize_t block_size, uint64_t seed):
     """Keys of the full blocks of `tokens` (a list of ints or an array('I')), chained from
     `seed` ((parent or 0) ^ namespace, already reduced to 64 bits)."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
     cdef Py_ssize_t n = len(tokens) // block_size
     cdef Py_ssize_t total = n * block_size
     cdef Py_ssize_t i
@@ -124,6 +126,8 @@ def chain_keys(tokens, Py_ssize_t block_size, uint64_t seed):
 def chain_keys_bytes(data, Py_ssize_t stride, uint64_t seed):
     """Keys of the full `stride`-byte blocks of a bytes-like object of packed uint32 ids."""
     cdef Py_buffer view
+    if stride < 1:
+        raise ValueError("stride must be >= 1")
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
     try:
         return _chain(<const uint8_t*>view.buf, view.len // stride, stride, seed)

@@ -193,3 +193,12 @@ def test_engine_map_refuses_what_it_cannot_hold() -> None:
     assert m.items() == [(1, 10), (2, 20)]
     m.clear()
     assert len(m) == 0 and m.nbytes() == 0
+
+
+def test_block_size_zero_is_refused_not_a_crash() -> None:
+    # The C code divides by it: a bad size raises instead of faulting the process.
+    assert NATIVE is not None
+    with pytest.raises(ValueError):
+        NATIVE.chain_keys([1, 2], 0, 0)
+    with pytest.raises(ValueError):
+        NATIVE.chain_keys_bytes(b"\x00" * 8, 0, 0)
