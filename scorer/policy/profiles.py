@@ -55,7 +55,8 @@ class SimpleOptions(PolicyOptions):
 _BUSY = tuple(BusyOptions.model_fields)
 _COST = (
     "prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "duplicate_cost",
-    "speculative",
+    "speculative", "unit", "decode_ms_per_block", "block_life", "life_window_s", "life_fade",
+    "continuity", "continuity_min_match",
 )  # fmt: skip
 
 
