@@ -125,6 +125,10 @@ class CostModelOptions(PolicyOptions):
     # Without a session id, the previous turn's worker is the one with the longest cached
     # prefix when that covers at least this fraction of the prompt.
     continuity_min_match: float = Field(0.5, ge=0, le=1)
+    # A request opening a new session: cost x (1 + session_spread x excess), excess the
+    # worker's live sessions above the fewest, in units of max(fewest, 1) (module doc,
+    # "Session spread"). 0: off.
+    session_spread: float = Field(0.0, ge=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -238,6 +242,9 @@ class FleetInputs:
     block_size: int
     life: dict[int, tuple[float, float | None, float | None]]
     previous: int | None = None
+    # Live sessions per eligible candidate (parallel to eligible) when the request opens a
+    # new session and session_spread is on; else None.
+    sessions: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -393,6 +400,14 @@ def _fleet_terms(
                         t = terms_out[i] = CandidateTerms()
                     t.previous_turn = True
                 break
+    live = fleet.sessions
+    spread = opts.session_spread
+    if live is not None and spread > 0.0:
+        lo = min(live)
+        unit = max(lo, 1)
+        for k in range(len(eligible)):
+            if live[k] > lo:
+                costs[k] *= 1.0 + spread * (live[k] - lo) / unit
     if terms_out is not None and fleet.life:
         for i, (f, life_s, age_s) in fleet.life.items():
             t = terms_out.get(i)

@@ -26,7 +26,14 @@ forgotten): no age, full value.
 Previous turn. The last worker of each session id (bounded LRU, `max_sessions`, idle
 entries older than `session_ttl_s` dropped); without a session id, the candidate holding
 the longest cached prefix, when it covers at least `min_match` of the prompt (a
-conversation's next turn starts with the previous turn's whole prompt and answer).
+conversation's next turn starts with the previous turn's whole prompt and answer). A
+request whose session id is new has no previous turn (its prefix may be a system prompt
+shared with other sessions).
+
+Live sessions per worker. A new session's later turns follow it wherever it lands (the
+continuity term keeps them there) and grow its context there, so placing it also places
+its future load and cache footprint. The map counts, per worker, the sessions whose last
+request went there (the `session_spread` term spreads new sessions by it).
 """
 
 from __future__ import annotations
@@ -139,6 +146,18 @@ class Sessions:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._live: dict[str, int] = {}  # endpoint -> sessions whose last request went there
+
+    def live(self, endpoint: str) -> int:
+        """Sessions (not idle past the TTL at the last update) last served by `endpoint`."""
+        return self._live.get(endpoint, 0)
+
+    def _count(self, endpoint: str, d: int) -> None:
+        n = self._live.get(endpoint, 0) + d
+        if n > 0:
+            self._live[endpoint] = n
+        else:
+            self._live.pop(endpoint, None)
 
     def get(self, session_id: str, now: float) -> str | None:
         """The worker that served `session_id`'s previous request, if recent."""
@@ -150,9 +169,13 @@ class Sessions:
     def put(self, session_id: str, endpoint: str, now: float) -> None:
         """`session_id`'s request went to `endpoint`."""
         last = self._last
+        old = last.get(session_id)
+        if old is not None:
+            self._count(old[0], -1)
         last[session_id] = (endpoint, now)
         last.move_to_end(session_id)
+        self._count(endpoint, 1)
         while last and (
             len(last) > self.max_sessions or now - next(iter(last.values()))[1] > self.ttl_s
         ):
-            last.popitem(last=False)
+            self._count(last.popitem(last=False)[1][0], -1)

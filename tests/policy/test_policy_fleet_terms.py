@@ -157,3 +157,34 @@ def test_continuity_from_the_prefix_needs_one_holder_of_most_of_the_prompt() -> 
     hold(s.index, endpoint(0), k[:2])
     d = s.policy.decide(request(k), list(s.pool))
     assert not any(c.as_dict()["terms"]["previous_turn"] for c in d.candidates)
+
+
+def test_live_sessions_counted_per_worker() -> None:
+    ss = Sessions(max_sessions=10, ttl_s=10.0)
+    ss.put("s1", "a", 0.0)
+    ss.put("s2", "a", 1.0)
+    ss.put("s1", "b", 2.0)  # s1 moved
+    assert (ss.live("a"), ss.live("b")) == (1, 1)
+    ss.put("s3", "b", 12.0)  # s2 idle past the TTL: dropped
+    assert (ss.live("a"), ss.live("b")) == (0, 2)
+
+
+def test_session_spread_places_a_new_session_away_from_busy_hosts() -> None:
+    """W0 holds the shared system prompt (8 of 10 blocks) and already serves two sessions.
+
+    Without spread the new session goes to W0 (cost 2 + 10 vs 10 + 10). With spread 1,
+    W0's cost is x (1 + 2 / 1) = 36 and the new session goes to W1; an old session's next
+    turn is not spread (it follows its previous worker).
+    """
+    k = keys(10)
+    for spread, winner in ((0.0, 0), (1.0, 1)):
+        s = make(2, options={**BASE, "session_spread": spread, "continuity": 0.1})
+        hold(s.index, endpoint(0), k[:8])
+        scorer = s.policy.scorers[0]
+        now = s.policy.clock()
+        scorer.sessions.put("old1", endpoint(0), now)
+        scorer.sessions.put("old2", endpoint(0), now)
+        d = s.policy.decide(request(k, session_id="new"), list(s.pool))
+        assert d.endpoint == endpoint(winner)
+        d = s.policy.decide(request(keys(10, base=7000), session_id="old1"), list(s.pool))
+        assert d.endpoint == endpoint(0)

@@ -62,9 +62,10 @@ class DynamoCost(Scorer):
         # Fleet terms' state (scorer.policy.fleet): block life and chain ages, sessions'
         # previous workers; the prefill model used until the director shares its fitted one.
         self.life = CacheLife(options.life_window_s) if options.block_life else None
-        self.sessions = Sessions() if options.continuity > 0.0 else None
+        sessions = options.continuity > 0.0 or options.session_spread > 0.0
+        self.sessions = Sessions() if sessions else None
         self._model = PrefillModel()
-        self._fleet_on = options.unit == "ms" or options.block_life or options.continuity > 0.0
+        self._fleet_on = options.unit == "ms" or options.block_life or sessions
         if options.source == "decisions":
             self.approx = ApproxIndex(options.ttl_s, options.max_keys, clock)
 
@@ -137,16 +138,24 @@ class DynamoCost(Scorer):
         previous: int | None = None
         if o.continuity > 0.0:
             previous = self._previous(cycle, matches)
-        return FleetInputs(prefill_ms, 1000.0 * model.b * bs, bs, life, previous)
+        live: list[int] | None = None
+        ss = self.sessions
+        sid = cycle.request.session_id
+        if ss is not None and sid and o.session_spread > 0.0 and ss.get(sid, now) is None:
+            live = [ss.live(cands[i].endpoint) for i in cycle.eligible]
+        return FleetInputs(prefill_ms, 1000.0 * model.b * bs, bs, life, previous, live)
 
     def _previous(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> int | None:
         """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible."""
         cands = cycle.candidates
         sid = cycle.request.session_id
         if sid and self.sessions is not None:
+            # A session names its previous turn; a new one has none (its prefix may be a
+            # system prompt shared with other sessions, not a previous turn).
             ep = self.sessions.get(sid, cycle.now)
-            if ep is not None:
-                return next((i for i in cycle.eligible if cands[i].endpoint == ep), None)
+            if ep is None:
+                return None
+            return next((i for i in cycle.eligible if cands[i].endpoint == ep), None)
         keys = cycle.request.block_keys
         if not matches or not keys:
             return None
