@@ -335,7 +335,9 @@ def dynamo_costs(
         add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
     dup = opts.duplicate_cost
     dup_cost = [0.0] * len(costs)
-    if dup > 0.0 and rows:
+    # A request opening a new session continues no conversation: the prefix it shares (a
+    # system prompt) is worth replicating, and where it lands is session_spread's call.
+    if dup > 0.0 and rows and (fleet is None or fleet.sessions is None):
         # A stale stream's blocks may be gone: they count with stale_credit here too.
         held = {i: r[1] * (stale_credit if r[3] else 1.0) for i, r in rows.items()}
         best = max(held.values())

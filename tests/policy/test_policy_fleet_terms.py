@@ -188,3 +188,12 @@ def test_session_spread_places_a_new_session_away_from_busy_hosts() -> None:
         assert d.endpoint == endpoint(winner)
         d = s.policy.decide(request(keys(10, base=7000), session_id="old1"), list(s.pool))
         assert d.endpoint == endpoint(0)
+
+
+def test_kv_ships_the_fleet_terms_approx_keeps_the_plain_cost() -> None:
+    kv = make(2, plain=False).policy.scorers[0].options
+    approx = make(2, policy="approx").policy.scorers[0].options
+    assert (kv.duplicate_cost, kv.continuity, kv.credit_decay) == (12.0, 0.6, 0.05)
+    assert kv.session_spread > 0 and not kv.block_life and kv.unit == "blocks"
+    assert (approx.duplicate_cost, approx.continuity, approx.session_spread) == (0, 0, 0)
+    assert approx.credit_decay == 0.1
