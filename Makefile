@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-quick test-vllm fuzz lint typecheck proto bench clean manifests
 
-$(STAMP): pyproject.toml tools/pyproject.toml
+# The compiled hot paths (scorer/native/_speedups.pyx, Cython) are built by this install; an
+# edited .pyx rebuilds them.
+$(STAMP): pyproject.toml tools/pyproject.toml scorer/native/_speedups.pyx
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
@@ -53,4 +55,4 @@ bench: $(STAMP)
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm demo-out .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm demo-out .mypy_cache .ruff_cache build scorer/native/_speedups.c scorer/native/*.so

@@ -1,6 +1,9 @@
 """Block-index benchmark: apply rate, hash+match latency, bytes per entry (+ Dynamo's RadixTree).
 
-    .venv/bin/python bench/bench_index.py [--blocks 1000000] [--workers 8 64] [--reps 300]
+    .venv/bin/python bench/bench_index.py [--blocks 1000000] [--workers 8 64] [--reps 300] [--pure]
+
+Runs the compiled hot paths (scorer.native) when they are built; `--pure` runs the
+pure-Python reference code instead (same as KV_SCORER_PURE_PYTHON=1).
 
 Workload: `--blocks` stored (block, worker) entries spread over W workers, delivered as
 vLLM 0.24+ messages (3 frames, msgpack batch of tagged BlockStored events of 16 tokens per
@@ -44,11 +47,23 @@ from scorer.blocks import BlockHasher, tokens_to_bytes
 from scorer.events.apply import Applier
 from scorer.events.decode import decode_message
 from scorer.index import BlockIndex
+from scorer.native import NATIVE
 
 BS = 16
 EVENT_BLOCKS = 16
 EVENTS_PER_MSG = 4
 PROMPT_TOKENS = 4096
+# False with --pure: the pure-Python reference; None: the compiled code when built.
+USE_NATIVE: bool | None = None
+
+
+def impl_name() -> str:
+    native = NATIVE is not None and USE_NATIVE is not False
+    return "kv-scorer " + ("compiled" if native else "pure Py")
+
+
+def make_hasher() -> BlockHasher:
+    return BlockHasher(BS, native=USE_NATIVE)
 
 
 def make_workload(
@@ -128,11 +143,11 @@ def make_workload(
 
 
 def apply_all(msgs: list[tuple[str, list[bytes]]], hasher: BlockHasher) -> BlockIndex:
-    index = BlockIndex()
+    index = BlockIndex(native=USE_NATIVE)
     index.max_blocks = 10**9
-    ap = Applier(index, hasher)
+    ap = Applier(index, hasher, native=USE_NATIVE)
     for ep, frames in msgs:
-        ap.apply(ep, decode_message(frames).batch)
+        ap.apply(ep, decode_message(frames, native=USE_NATIVE).batch)
     return index
 
 
@@ -151,7 +166,7 @@ def timed_apply(
 
 
 def run_ours(blocks: int, workers: int, reps: int) -> dict[str, Any]:
-    hasher = BlockHasher(BS)
+    hasher = make_hasher()
     prompt, msgs, dyn = make_workload(blocks, workers)
     gc.collect()
     # The workload's own millions of objects must not be re-scanned by every GC pass.
@@ -181,7 +196,7 @@ def run_ours(blocks: int, workers: int, reps: int) -> dict[str, Any]:
         tb.append((e - c) * 1e6)
     assert keys == keys2 and res["w0"].blocks == PROMPT_TOKENS // BS
     out: dict[str, Any] = {
-        "impl": "kv-scorer BlockIndex",
+        "impl": impl_name(),
         "workers": workers,
         "shape": "16 blk/ev",
         "entries": entries,
@@ -204,7 +219,7 @@ def run_ours(blocks: int, workers: int, reps: int) -> dict[str, Any]:
 
 def run_decode_shape(blocks: int, workers: int) -> dict[str, Any]:
     """Apply rate when every BlockStored carries ONE block (decode steps), 32 per message."""
-    hasher = BlockHasher(BS)
+    hasher = make_hasher()
     _, msgs, _ = make_workload(blocks, workers, event_blocks=1, events_per_msg=32)
     gc.collect()
     gc.freeze()
@@ -213,7 +228,7 @@ def run_decode_shape(blocks: int, workers: int) -> dict[str, Any]:
     del index, msgs
     gc.collect()
     return {
-        "impl": "kv-scorer BlockIndex",
+        "impl": impl_name(),
         "workers": workers,
         "shape": "1 blk/ev",
         "entries": entries,
@@ -224,7 +239,7 @@ def run_decode_shape(blocks: int, workers: int) -> dict[str, Any]:
 
 def run_memory(blocks: int, workers: int, share: tuple[int, int]) -> dict[str, Any]:
     """tracemalloc bytes per stored (block, worker) entry."""
-    hasher = BlockHasher(BS)
+    hasher = make_hasher()
     _, msgs, _ = make_workload(blocks, workers, share=share)
     gc.collect()
     gc.freeze()
@@ -239,7 +254,7 @@ def run_memory(blocks: int, workers: int, share: tuple[int, int]) -> dict[str, A
     del index, msgs
     gc.collect()
     return {
-        "impl": "kv-scorer BlockIndex",
+        "impl": impl_name(),
         "workers": workers,
         "shape": f"held by {share[0]}" + ("" if share[0] == share[1] else f"-{share[1]}"),
         "entries": entries,
@@ -315,8 +330,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--no-dynamo", action="store_true")
     ap.add_argument("--no-memory", action="store_true", help="skip the tracemalloc runs")
+    ap.add_argument("--pure", action="store_true", help="the pure-Python reference code")
     ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "index.json"))
     args = ap.parse_args()
+    global USE_NATIVE
+    USE_NATIVE = False if args.pure else None
     rows: list[dict[str, Any]] = []
     for i, w in enumerate(args.workers):
         ours = run_ours(args.blocks, w, args.reps)

@@ -5,16 +5,18 @@ Chat requests of about 1k, 8k and 32k tokens (Qwen3 tokenizer + chat template, b
 
 * raw      `tokenizers` encode of the rendered prompt text (`Tokenizer.encode`, the figure
            the targets compare with), and `encode_batch_fast` of the same text;
-* cold     `Tokenization.tokenize_body` with an empty segment cache (render + split +
-           encode + hash);
+* cold     `Tokenization.tokenize_body` with an empty segment cache and no prefix states
+           (render + split + encode + hash);
 * warm     the previous request of the conversation (one turn shorter: without the last
            assistant reply and user message) was seen just before; only the new turn is
-           encoded. Wall time can include tokenizers' rayon workers still spinning after
-           the cold `prev` (they share the 2 cores): "warm cpu" is the calling thread's
-           CPU time, the work itself;
+           encoded, and only the text after the previous prompt's stored prefix is split,
+           looked up and hashed (scorer.tokens.prefix). Wall time can include tokenizers'
+           rayon workers still spinning after the cold `prev` (they share the 2 cores):
+           "warm cpu" is the calling thread's CPU time, the work itself;
 * new turn raw  `Tokenizer.encode` of only the warm request's new segments (the part of
            "warm" no cache can save);
-* repeat   the same body again (everything cached);
+* repeat   the same body again (everything cached: its own prefix state covers all but
+           the generation prompt);
 * render   the chat template alone (part of every figure above).
 
 Targets (issue 4): warm 8k ≤ 1 ms p50; cold ≤ 1.2x raw. Prints a table and writes
@@ -152,6 +154,14 @@ def main() -> None:
     assert lt is not None
     tok = lt.tokenizer
     results: list[dict[str, Any]] = []
+
+    def forget() -> None:
+        """Empty the segment cache and the conversation prefix states."""
+        tokens.cache.clear()
+        prefixes = getattr(tokens, "prefixes", None)  # absent before scorer.tokens.prefix
+        if prefixes is not None:
+            prefixes.clear()
+
     try:
         for size in (int(s) for s in args.sizes.split(",")):
             msgs = conversation(size)
@@ -164,10 +174,10 @@ def main() -> None:
             raw_fast = _time(
                 lambda t=text: tok.encode_batch_fast([t], add_special_tokens=False), reps
             )
-            cold = _time(lambda b=body: tokens.tokenize_body("qwen3", b), reps, tokens.cache.clear)
+            cold = _time(lambda b=body: tokens.tokenize_body("qwen3", b), reps, forget)
 
             def see_prev(p: dict[str, Any] = prev) -> None:
-                tokens.cache.clear()
+                forget()
                 tokens.tokenize_body("qwen3", p)
 
             warm = _time(lambda b=body: tokens.tokenize_body("qwen3", b), reps * 3, see_prev)

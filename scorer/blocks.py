@@ -34,6 +34,8 @@ from typing import Literal
 
 import xxhash
 
+from scorer.native import NATIVE
+
 HashAlgo = Literal["xxh3", "fnv1a"]
 
 MASK64 = (1 << 64) - 1
@@ -104,9 +106,13 @@ def fnv1a64(data: bytes, state: int = FNV64_OFFSET) -> int:
 class BlockHasher:
     """Turns token ids into the keys of their full blocks (see the module docstring)."""
 
-    __slots__ = ("_stride", "algo", "block_size")
+    __slots__ = ("_native", "_stride", "algo", "block_size")
 
-    def __init__(self, block_size: int, algo: HashAlgo = "xxh3") -> None:
+    def __init__(
+        self, block_size: int, algo: HashAlgo = "xxh3", native: bool | None = None
+    ) -> None:
+        """`native`: hash xxh3 chains with the compiled `scorer.native` code (None: when it
+        is available; False: the pure-Python reference). Same keys either way."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if algo not in ("xxh3", "fnv1a"):
@@ -114,6 +120,14 @@ class BlockHasher:
         self.block_size = block_size
         self.algo: HashAlgo = algo
         self._stride = block_size * 4  # bytes per block (uint32 tokens)
+        if native and NATIVE is None:
+            raise RuntimeError("the compiled scorer.native module is not available")
+        self._native = NATIVE if native is not False and algo == "xxh3" else None
+
+    @property
+    def native(self) -> bool:
+        """Whether keys are computed by the compiled code."""
+        return self._native is not None
 
     def __repr__(self) -> str:
         return f"BlockHasher(block_size={self.block_size}, algo={self.algo!r})"
@@ -128,6 +142,12 @@ class BlockHasher:
         call per block over one bytes buffer.
         """
         bs = self.block_size
+        nat = self._native
+        if nat is not None:
+            # One C loop: ids → little-endian uint32 → xxh3 per block (scorer/native).
+            return nat.chain_keys(  # type: ignore[no-any-return]
+                token_ids, bs, ((0 if parent is None else parent) ^ namespace) & MASK64
+            )
         n = len(token_ids) // bs
         if n == 0:
             return []
@@ -151,8 +171,11 @@ class BlockHasher:
         Trailing bytes that do not fill a block are ignored.
         """
         stride = self._stride
-        end = len(buf) - len(buf) % stride
         prev = ((0 if parent is None else parent) ^ namespace) & MASK64
+        nat = self._native
+        if nat is not None:
+            return nat.chain_keys_bytes(buf, stride, prev)  # type: ignore[no-any-return]
+        end = len(buf) - len(buf) % stride
         if self.algo == "xxh3":
             h = _xxh3
             return [prev := h(buf[o : o + stride], prev) for o in range(0, end, stride)]

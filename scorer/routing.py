@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -56,8 +56,9 @@ class RoutingRequest:
     lora: str | None = None
     cache_salt: str | None = None
     sheddable: bool = False
-    # Filled by the tokens stage (None until then, or when no tokenizer applies).
-    token_ids: list[int] | None = None
+    # Filled by the tokens stage (None until then, or when no tokenizer applies); the
+    # tokens stage gives an `array("I")` (no per-id list built on the request path).
+    token_ids: Sequence[int] | None = None
     block_keys: list[int] | None = None
     block_size: int = 0
     prompt_tokens: int = 0  # exact when tokenized, else an estimate from the body size

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from scorer.blocks import MASK60, BlockHasher, engine_key, namespace_key
 from scorer.events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from scorer.index import BlockIndex
+from scorer.native import NATIVE
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,13 @@ def _engine_keys(hashes: list[Any]) -> list[int]:
     return out
 
 
+def _engine_keys_native(hashes: list[Any]) -> list[int]:
+    """`_engine_keys` with the all-int case in one compiled loop (scorer.native)."""
+    assert NATIVE is not None
+    out: list[int] | None = NATIVE.engine_keys(hashes)
+    return out if out is not None else _engine_keys(hashes)
+
+
 class _Pending:
     """BlockStored blocks of one batch not yet handed to the index (one medium)."""
 
@@ -120,9 +128,15 @@ class _Pending:
 class Applier:
     """Applies decoded batches for any number of workers to one index."""
 
-    def __init__(self, index: BlockIndex, hasher: BlockHasher) -> None:
+    def __init__(self, index: BlockIndex, hasher: BlockHasher, native: bool | None = None) -> None:
+        """`native`: map engine hashes with the compiled code (None: when `scorer.native`
+        is available; False: the pure-Python reference). Keys come from `hasher`."""
         self.index = index
         self.hasher = hasher
+        if native and NATIVE is None:
+            raise RuntimeError("the compiled scorer.native module is not available")
+        use = NATIVE is not None and native is not False
+        self._ekeys = _engine_keys_native if use else _engine_keys
         self.stats: dict[str, ApplyStats] = {}
 
     def _st(self, endpoint: str) -> ApplyStats:
@@ -226,7 +240,7 @@ class Applier:
         except (TypeError, OverflowError, ValueError):
             return self._fail(st, "bad_tokens")
         try:
-            ekeys = _engine_keys(hashes if n == len(hashes) else hashes[:n])
+            ekeys = self._ekeys(hashes if n == len(hashes) else hashes[:n])
         except (TypeError, ValueError):
             return self._fail(st, "bad_tokens")
         pend.ekeys += ekeys
@@ -271,7 +285,7 @@ class Applier:
             _APPLIED["BlockRemoved", "other_group"].inc()
             return
         try:
-            ekeys = _engine_keys(ev.block_hashes)
+            ekeys = self._ekeys(ev.block_hashes)
         except (TypeError, ValueError):
             st.unknown_hash += len(ev.block_hashes)
             _APPLIED["BlockRemoved", "unknown_hash"].inc()

@@ -68,7 +68,7 @@ def event_record(msg: Message, ev: Event) -> dict[str, Any]:
         rec.update(
             block_hashes=_json_safe(ev.block_hashes),
             parent_block_hash=_json_safe(ev.parent_block_hash),
-            token_ids=ev.token_ids,
+            token_ids=list(ev.token_ids),
             block_size=ev.block_size,
             medium=ev.medium_raw,
             lora_name=ev.lora_name,

@@ -29,6 +29,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from scorer.native import NATIVE
+
 # The replay socket's end marker: seq 0xFF x 8 (i.e. -1 as a signed int64), empty payload.
 END_SEQ = b"\xff" * 8
 
@@ -82,7 +84,8 @@ def normalize_medium(raw: object) -> str:
 class BlockStored:
     block_hashes: list[Hash]
     parent_block_hash: Hash | None
-    token_ids: list[int]
+    # A list, or an array('I') from the compiled decoder (scorer.native): equal ids.
+    token_ids: Sequence[int]
     block_size: int
     lora_id: int | None = None
     medium: str = "GPU"  # normalised
@@ -246,6 +249,89 @@ def _fast_payload(payload: bytes) -> EventBatch | None:
     return None
 
 
+# ---- compiled fast path (scorer.native) ---------------------------------------------------
+# The same typed decode, except that token_ids stays msgpack bytes (msgspec.Raw, no copy) and
+# the compiled `msgpack_uint32s` turns it into an array('I') without making one Python int
+# per token. Any token list it does not take (an id outside uint32, a non-int) sends the
+# payload to the generic path, which gives the reference meaning (event error / bad_tokens).
+# gc=False: these short-lived structs hold no cycles (lists of ints/bytes, Raw views), so the
+# collector need not track them (fewer collections while a large index is built).
+
+
+class _AStoredRaw(_AStored, tag="BlockStored", array_like=True, gc=False):
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class _ABatchRaw(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_AStoredRaw | _ARemoved | _ACleared]
+    data_parallel_rank: int | None = None
+
+
+class _MStoredRaw(_MStored, tag="BlockStored", tag_field="type", gc=False):
+    token_ids: msgspec.Raw  # type: ignore[assignment]
+
+
+class _MBatchRaw(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_MStoredRaw | _MRemoved | _MCleared]
+    data_parallel_rank: int | None = None
+
+
+_typed_raw: list[msgspec.msgpack.Decoder[Any]] = [
+    msgspec.msgpack.Decoder(_MBatchRaw),
+    msgspec.msgpack.Decoder(_ABatchRaw),
+]
+
+
+def _fast_payload_native(payload: bytes) -> EventBatch | None:
+    """`_fast_payload` with token ids unpacked by the compiled code, or None (the generic
+    path runs). Requires `scorer.native`."""
+    assert NATIVE is not None
+    uint32s = NATIVE.msgpack_uint32s
+    for i, dec in enumerate(_typed_raw):
+        try:
+            raw: _ABatchRaw | _MBatchRaw = dec.decode(payload)
+        except (msgspec.DecodeError, ValueError, TypeError):
+            continue
+        except RecursionError:
+            raise DecodeError("depth", "payload nested too deep") from None
+        if i:
+            _typed_raw.reverse()
+        out: list[Event] = []
+        append = out.append
+        for e in raw.events:
+            if type(e) is _MStoredRaw or type(e) is _AStoredRaw:
+                toks = uint32s(e.token_ids)
+                if toks is None:
+                    return None
+                mraw = e.medium
+                append(
+                    BlockStored(
+                        e.block_hashes,
+                        e.parent_block_hash,
+                        toks,
+                        e.block_size,
+                        e.lora_id,
+                        _GPU_ONLY.get(mraw) or normalize_medium(mraw),
+                        mraw,
+                        e.lora_name,
+                        e.extra_keys,
+                        e.group_idx,
+                        e.cache_salt if type(e) is _MStoredRaw else None,
+                    )
+                )
+            elif type(e) is _MRemoved or type(e) is _ARemoved:
+                mraw = e.medium
+                med = _GPU_ONLY.get(mraw) or normalize_medium(mraw)
+                append(BlockRemoved(e.block_hashes, med, mraw, e.group_idx))
+            else:
+                m = e.medium
+                append(AllBlocksCleared(None if m is None else normalize_medium(m)))
+        return EventBatch(raw.ts, out, raw.data_parallel_rank)
+    return None
+
+
 def _hash(v: object, what: str) -> Hash:
     if isinstance(v, bool) or not isinstance(v, int | bytes):
         raise DecodeError("event", f"{what}: expected int or bytes, got {type(v).__name__}")
@@ -379,9 +465,15 @@ def decode_event(raw: object) -> Event:
     raise DecodeError("event", f"event is a {type(raw).__name__}")
 
 
-def decode_payload(payload: bytes) -> EventBatch:
-    """A msgpack batch → EventBatch. Bad events are skipped into `errors`."""
-    fast = _fast_payload(payload)
+def decode_payload(payload: bytes, native: bool | None = None) -> EventBatch:
+    """A msgpack batch → EventBatch. Bad events are skipped into `errors`.
+
+    `native`: decode token ids with the compiled code (None: when `scorer.native` is
+    available; False: the pure-Python reference). Same events either way."""
+    if NATIVE is not None and native is not False:
+        fast = _fast_payload_native(payload)
+    else:
+        fast = _fast_payload(payload)
     return fast if fast is not None else decode_payload_generic(payload)
 
 
@@ -429,8 +521,9 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
-def decode_message(frames: Sequence[bytes]) -> Message:
-    """A 3-frame ZMQ message ``[topic, seq, payload]`` → Message."""
+def decode_message(frames: Sequence[bytes], native: bool | None = None) -> Message:
+    """A 3-frame ZMQ message ``[topic, seq, payload]`` → Message (`native`: as in
+    `decode_payload`)."""
     if len(frames) != 3:
         raise DecodeError("frames", f"{len(frames)} frames (need 3: topic, seq, payload)")
     topic_b, seq_b, payload = frames
@@ -441,7 +534,7 @@ def decode_message(frames: Sequence[bytes]) -> Message:
     except UnicodeDecodeError:
         raise DecodeError("topic", "topic is not UTF-8") from None
     seq = decode_seq(bytes(seq_b))
-    return Message(topic, seq, decode_payload(bytes(payload)))
+    return Message(topic, seq, decode_payload(bytes(payload), native))
 
 
 def split_replay_reply(frames: Sequence[bytes]) -> tuple[str | None, bytes, bytes]:

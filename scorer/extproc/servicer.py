@@ -28,19 +28,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from prometheus_client import Counter, Gauge, Histogram
 
 from scorer.config import Config
 from scorer.director import Director
-from scorer.extproc import conformance
+from scorer.extproc import conformance, wire
 from scorer.extproc import protocol as P
-from scorer.extproc.transport import AbortStream, H2GrpcServer, StreamContext
+from scorer.extproc.transport import AbortStream, H2GrpcServer, H2Stream, StreamContext
 from scorer.routing import Decision
 
 log = logging.getLogger("scorer.extproc")
@@ -90,11 +92,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._releasing = False
         # Prebuilt constant responses (no per-request allocation for the common answers).
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
-        self._continue_response_headers = P.continue_headers(response_path=True)
-        self._continue_response_body = P.continue_response_body()
-        self._continue_response_trailers = P.continue_response_trailers()
         self._skip_response = P.mode_override_skip_response()
+        # Constant answers serialized once (written as bytes on both transports).
+        self._continue_response_headers_wire = P.continue_headers(
+            response_path=True
+        ).SerializeToString()
+        self._continue_response_body_wire = P.continue_response_body().SerializeToString()
+        self._continue_response_trailers_wire = P.continue_response_trailers().SerializeToString()
         self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
+        self._answers_wire: dict[tuple[str, bool], bytes] = {}
+        self._continue_trailers_wire = P.continue_trailers().SerializeToString()
 
     # ------------------------------------------------------------------ the RPC
 
@@ -209,12 +216,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             await context.write(self._error_answer(d))
             return None, _OUTCOME_BY_STATUS.get(d.status, "no_endpoint"), 0
 
-        await context.write(self._routing_answer(d, full_duplex))
+        # Wire bytes on both transports (add_to_server's serializer passes bytes through):
+        # the cached answer's bytes and the body encoded by hand (scorer.extproc.wire,
+        # checked against protocol.streamed_body in tests/extproc/test_wire.py).
+        await context.write(self._routing_answer(d, full_duplex, as_wire=True))
         if full_duplex:
-            for r in P.streamed_body(body, end_of_stream=not trailers):
-                await context.write(r)
+            for piece in wire.streamed_body(body, not trailers):
+                await context.write(piece)
         if trailers:
-            await context.write(P.continue_trailers())
+            await context.write(self._continue_trailers_wire)
         return (*self._routed(d), response_mode)
 
     def _subset(self, msg: ep.ProcessingRequest, headers: dict[str, str]) -> frozenset[str] | None:
@@ -226,15 +236,25 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         pairs = ((w.endpoint, w.ip) for w in self.director.pool)
         return conformance.restrict(hint, conformance.selection(headers), pairs)
 
-    def _routing_answer(self, d: Decision, full_duplex: bool) -> ep.ProcessingResponse:
+    def _routing_answer(
+        self, d: Decision, full_duplex: bool, as_wire: bool = False
+    ) -> ep.ProcessingResponse | bytes:
         """The answer carrying the destination: headers answer (FULL_DUPLEX) or body answer
         (BUFFERED). Without decision headers it only depends on the endpoint list, so it is
-        built once per endpoint list and reused (never mutated after it is cached)."""
+        built once per endpoint list and reused (never mutated after it is cached), as is
+        its serialized form (`as_wire`: returned for our transport)."""
         ends = P.join_endpoints(d.endpoints)
         key = (ends, full_duplex)
         if not self.decision_headers:
+            if as_wire:
+                data = self._answers_wire.get(key)
+                if data is not None:
+                    return data
             cached = self._answers.get(key)
             if cached is not None:
+                if as_wire:
+                    data = self._answers_wire[key] = cached.SerializeToString()
+                    return data
                 return cached
         mutation = self._mutation(d)
         metadata = P.destination_metadata(ends)
@@ -247,7 +267,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if not self.decision_headers:
             if len(self._answers) >= 4096:  # bounded: endpoint lists come from the pool
                 self._answers.clear()
+                self._answers_wire.clear()
             self._answers[key] = resp
+            if as_wire:
+                data = self._answers_wire[key] = resp.SerializeToString()
+                return data
         return resp
 
     def _routed(self, d: Decision) -> tuple[str | None, str]:
@@ -325,38 +349,115 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         duplex = response_mode == P.FULL_DUPLEX
         # Body chunks reach us in any mode but NONE (a mode Envoy did not announce: none).
         bodies = response_mode != P.ProcessingMode.NONE
-        while True:
-            m = await context.read()
-            if m is _EOF:
-                return
-            assert isinstance(m, ep.ProcessingRequest)
-            k = m.WhichOneof("request")
-            if k == "response_body":
-                rb = m.response_body
-                data, end = rb.body, rb.end_of_stream
-                if duplex:
-                    await write(P.streamed_response_body(data, end))
-                else:
-                    await write(self._continue_response_body)
-                director.response_chunk(rid, data, end)
-            elif k == "response_headers":
-                rh = m.response_headers
-                status = P.response_status(m) or None
-                ctype = P.header_value(rh, "content-type")
-                if director.response_started(rid, status, P.served_endpoint(m), ctype, bodies):
-                    SERVED_MOVED.inc()
-                if self.echo_served:
-                    await write(conformance.served_response(m))
-                else:
-                    await write(self._continue_response_headers)
-                if rh.end_of_stream:
-                    director.response_ended(rid)
+        on_message = None
+        if isinstance(context, H2Stream):  # our transport (grpc.aio has no such hook)
+            on_message = context.on_message
+            on_message(self._answerer(rid, context, duplex, bodies))
+        try:
+            while True:
+                m = await context.read()
+                if m is _EOF:
                     return
-            elif k == "response_trailers":
-                await write(self._continue_response_trailers)
-                director.response_ended(rid)
-            else:
-                await self._passthrough(m, context)
+                assert isinstance(m, ep.ProcessingRequest)
+                k = m.WhichOneof("request")
+                if k == "response_body":
+                    rb = m.response_body
+                    data, end = rb.body, rb.end_of_stream
+                    if duplex:
+                        await write(P.streamed_response_body(data, end))
+                    else:
+                        await write(self._continue_response_body_wire)
+                    director.response_chunk(rid, data, end)
+                elif k == "response_headers":
+                    self._response_started(rid, m, bodies)
+                    if self.echo_served:
+                        await write(conformance.served_response(m))
+                    else:
+                        await write(self._continue_response_headers_wire)
+                    if m.response_headers.end_of_stream:
+                        director.response_ended(rid)
+                        return
+                elif k == "response_trailers":
+                    await write(self._continue_response_trailers_wire)
+                    director.response_ended(rid)
+                else:
+                    await self._passthrough(m, context)
+        finally:
+            if on_message is not None:
+                on_message(None)
+
+    def _response_started(self, rid: str, m: ep.ProcessingRequest, bodies: bool) -> None:
+        """Tell the director the response's status, content type and served endpoint."""
+        status = P.response_status(m) or None
+        ctype = P.header_value(m.response_headers, "content-type")
+        if self.director.response_started(rid, status, P.served_endpoint(m), ctype, bodies):
+            SERVED_MOVED.inc()
+
+    def _answerer(
+        self, rid: str, stream: H2Stream, duplex: bool, bodies: bool
+    ) -> Callable[[bytes], bool]:
+        """The response path answered inside our transport's frame loop (H2Stream
+        `on_message`), no task switch per message: a body chunk is read from its wire
+        bytes (scorer.extproc.wire) and answered with pre-encoded bytes, then the
+        director sees it; response headers and trailers are answered at once, then read
+        (protobuf) for the director. Anything else (end of stream on the headers, a shape
+        the wire reader leaves to protobuf, a full send window) returns False and the
+        `_follow` loop handles it, the reference path."""
+        director = self.director
+        write_now = stream.write_now
+        continue_body = self._continue_response_body_wire
+        continue_headers = self._continue_response_headers_wire
+        continue_trailers = self._continue_response_trailers_wire
+        headers_fast = not self.echo_served
+        chunk = wire.body_chunk
+        encode = wire.streamed_body_response
+        resp_body = wire.RESP_RESPONSE_BODY
+        checked_meta = b""  # metadata_context bytes already checked (the same per chunk)
+
+        def answer(raw: bytes) -> bool:
+            nonlocal checked_meta
+            got = chunk(raw)
+            if got is None:
+                kind = wire.request_kind(raw)
+                if kind == wire.REQ_RESPONSE_HEADERS and headers_fast:
+                    return answer_headers(raw)
+                if kind == wire.REQ_RESPONSE_TRAILERS:
+                    return answer_trailers(raw)
+                return False
+            data, end, meta = got
+            if meta and meta != checked_meta:
+                # The protobuf path would reject a malformed one: checked once per value.
+                try:
+                    base_pb2.Metadata.FromString(meta)
+                except DecodeError:
+                    return False
+                checked_meta = meta
+            if not write_now(encode(data, end, resp_body) if duplex else continue_body):
+                return False
+            director.response_chunk(rid, data, end)
+            return True
+
+        def answer_headers(raw: bytes) -> bool:
+            try:
+                m = ep.ProcessingRequest.FromString(raw)
+            except DecodeError:
+                return False
+            if m.response_headers.end_of_stream or not write_now(continue_headers):
+                return False
+            self._response_started(rid, m, bodies)
+            return True
+
+        def answer_trailers(raw: bytes) -> bool:
+            try:
+                ep.ProcessingRequest.FromString(raw)  # the protobuf path would reject a bad one
+            except DecodeError:
+                return False
+            if not write_now(continue_trailers):
+                return False
+            director.response_ended(rid)
+            return True
+
+        return answer
 
     async def _passthrough(
         self,
@@ -383,9 +484,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         await context.write(resp)
 
 
+def _serialize(message: ep.ProcessingResponse | bytes) -> bytes:
+    # Pre-serialized answers (cached routing answers, wire-encoded bodies) pass through.
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
 def add_to_server(servicer: ExtProcServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer on a grpc.aio server."""
-    ep_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    """Register the servicer on a grpc.aio server (the generated registration's method
+    and deserializer; a serializer that also takes already-serialized answers)."""
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.Process,
+        request_deserializer=ep.ProcessingRequest.FromString,
+        response_serializer=_serialize,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "envoy.service.ext_proc.v3.ExternalProcessor", {"Process": handler}
+            ),
+        )
+    )
 
 
 PROCESS_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"

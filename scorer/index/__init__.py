@@ -6,8 +6,10 @@ Layout (built for 64+ workers and millions of blocks):
 * one dict per medium (GPU, CPU, DISK): our block key → bitmask of the slots holding it
   (a single holder's mask is the slot's one shared bit object; equal multi-holder masks
   share one object too, up to a bounded cache, so masks cost ~no memory per block);
-* one dict per slot: engine block hash (`scorer.blocks.engine_key`) → our key, to map
-  `BlockRemoved` and `parent_block_hash` back into our hash space;
+* one engine-key map per slot: engine block hash (`scorer.blocks.engine_key`) → our key, to
+  map `BlockRemoved` and `parent_block_hash` back into our hash space (`slots.PyEngineMap`,
+  a dict, or the compiled `scorer.native` EngineMap: a C table of uint64 pairs, insertion-
+  ordered like the dict, ~half its memory);
 * speculative entries (a request just routed there; its blocks are being computed) live in
   their own key → bitmask dict with a per-slot expiry, and count as GPU blocks.
 

@@ -17,8 +17,9 @@ from scorer.index import match as _match
 from scorer.index.bounds import over_bound, take_oldest
 from scorer.index.masks import MaskCache
 from scorer.index.match import Match
-from scorer.index.slots import MEDIA, Slot, SlotTable
+from scorer.index.slots import MEDIA, EngineMapLike, PyEngineMap, Slot, SlotTable
 from scorer.index.speculative import SpeculativeEntries
+from scorer.native import NATIVE
 
 INDEX_ENTRIES = Gauge(
     "kv_scorer_index_entries", "Stored (block, worker) entries in the block index", ["medium"]
@@ -39,7 +40,9 @@ for _m in MEDIA:
 class BlockIndex:
     """Key → workers (medium, dp_rank, expiry), updated from KV events, read by policies."""
 
-    def __init__(self, config: IndexConfig | None = None) -> None:
+    def __init__(self, config: IndexConfig | None = None, native: bool | None = None) -> None:
+        """`native`: the compiled engine-key maps (None: whenever `scorer.native` has them;
+        False: the pure-Python reference)."""
         self.config = config or IndexConfig.model_validate({})
         w = self.config.medium_weights
         self._weights = (
@@ -52,7 +55,13 @@ class BlockIndex:
         self._gpu = self._media["GPU"]
         self._cpu = self._media["CPU"]
         self._disk = self._media["DISK"]
-        self._table = SlotTable()
+        emap: Callable[[], EngineMapLike] = PyEngineMap
+        if NATIVE is not None and native is not False:
+            emap = NATIVE.EngineMap
+        elif native:
+            raise RuntimeError("the compiled scorer.native module is not available")
+        self.native = emap is not PyEngineMap
+        self._table = SlotTable(emap)
         self._slots = self._table.slots
         self._bit_obj = self._table.bit_obj  # grows in place with the table
         self._specs = SpeculativeEntries()
@@ -105,7 +114,7 @@ class BlockIndex:
             d, medium = self._gpu, "GPU"
         bit = self._bit_obj[s.bit]
         emap = s.emap
-        emap.update(zip(ekeys, keys, strict=False))
+        emap.update_pairs(ekeys, keys)
         # One C-level pass inserts the absent keys with the slot's shared bit object (a
         # single-holder mask costs no memory of its own) and returns every key's mask.
         before = len(d)

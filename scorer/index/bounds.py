@@ -3,8 +3,6 @@ evicted oldest first, in batches so the scan stays amortised."""
 
 from __future__ import annotations
 
-import itertools
-
 from prometheus_client import Counter
 
 from scorer.index.slots import Slot
@@ -25,10 +23,7 @@ def over_bound(s: Slot, max_blocks: int) -> int:
 def take_oldest(s: Slot, n: int) -> list[int]:
     """Remove the `n` oldest engine keys of slot `s` (dicts keep insertion order); returns
     their keys in our hash space, for the caller to drop from the media dicts."""
-    victims = list(itertools.islice(s.emap.items(), n))
-    emap = s.emap
-    for ek, _ in victims:
-        del emap[ek]
+    victims = s.emap.pop_oldest(n)
     s.evictions += len(victims)
     INDEX_EVICTIONS.inc(len(victims))
     return [k for _, k in victims]

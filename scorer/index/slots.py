@@ -2,10 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 MEDIA = ("GPU", "CPU", "DISK")
+
+
+class EngineMapLike(Protocol):
+    """A slot's engine key → our key map, insertion-ordered (oldest evicted first):
+    `PyEngineMap` (a dict, the reference) or the compiled `scorer.native` EngineMap."""
+
+    def __len__(self) -> int: ...
+    def __contains__(self, k: object, /) -> bool: ...
+    def __getitem__(self, k: int, /) -> int: ...
+    def __delitem__(self, k: int, /) -> None: ...
+    def get(self, k: int, /) -> int | None: ...
+    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> None: ...
+    def pop_oldest(self, n: int) -> list[tuple[int, int]]: ...
+    def clear(self) -> None: ...
+    def items(self) -> Iterable[tuple[int, int]]: ...
+    def keys(self) -> Iterable[int]: ...
+    def values(self) -> Iterable[int]: ...
+
+
+class PyEngineMap(dict[int, int]):
+    """The pure-Python engine-key map: a dict plus the two bulk operations the index uses."""
+
+    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> None:
+        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update."""
+        self.update(zip(ekeys, keys, strict=False))
+
+    def pop_oldest(self, n: int) -> list[tuple[int, int]]:
+        """Remove up to `n` oldest entries; returns them as [(engine key, our key)]."""
+        victims = list(itertools.islice(self.items(), n))
+        for ek, _ in victims:
+            del self[ek]
+        return victims
 
 
 @dataclass(slots=True, eq=False)
@@ -16,7 +50,7 @@ class Slot:
     rank: int
     bit: int
     # engine key → our key; insertion-ordered, so the oldest entries are evicted first.
-    emap: dict[int, int] = field(default_factory=dict)
+    emap: EngineMapLike = field(default_factory=PyEngineMap)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MEDIA, 0))
     spec: dict[int, float] = field(default_factory=dict)  # our key → expiry (monotonic)
     evictions: int = 0
@@ -29,7 +63,8 @@ class SlotTable:
     Bits are never reused: a slot stays allocated (empty after a purge) so masks stored
     in the index never point at another worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, emap_factory: Callable[[], EngineMapLike] = PyEngineMap) -> None:
+        self.emap_factory = emap_factory
         self.slots: dict[tuple[str, int], Slot] = {}
         self.by_bit: list[Slot] = []
         self.bit_ep: list[str] = []  # slot bit → endpoint
@@ -49,7 +84,7 @@ class SlotTable:
         s = self.slots.get(key)
         if s is None:
             bit = len(self.by_bit)
-            s = Slot(endpoint, rank or 0, bit)
+            s = Slot(endpoint, rank or 0, bit, self.emap_factory())
             self.slots[key] = s
             self.by_bit.append(s)
             self.bit_ep.append(endpoint)

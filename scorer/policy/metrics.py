@@ -2,15 +2,17 @@
 
 Every decision, from the data path or the Score RPC, goes through `Director` bookkeeping, which
 calls `observe_decision` once: decisions by policy and reason, matched-token ratio and
-stage latencies.
+stage latencies. The histograms are `scorer.histogram.LoopHistogram`s (observed on the
+event loop, ~0.15 µs each instead of prometheus_client's ~1.5 µs; same families).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 
+from scorer.histogram import HistogramChild, LoopHistogram
 from scorer.routing import Decision
 
 DECISIONS = Counter(
@@ -18,13 +20,13 @@ DECISIONS = Counter(
 )
 # Labelled children resolved once: labels() costs a lock and a dict lookup per call.
 _decision_counters: dict[tuple[str, str], Any] = {}
-MATCHED_RATIO = Histogram(
+MATCHED_RATIO = LoopHistogram(
     "kv_scorer_matched_token_ratio",
     "Matched (cached) prompt tokens on the chosen worker / prompt tokens, per decision",
     ["policy"],
     buckets=(0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
 )
-STAGE_SECONDS = Histogram(
+STAGE_SECONDS = LoopHistogram(
     "kv_scorer_decision_stage_seconds",
     "Decision latency by stage (parse, tokenize, hash, match, score, explain, total)",
     ["stage"],
@@ -50,6 +52,7 @@ STAGE_SECONDS = Histogram(
 # explain + bookkeeping, as the router times it) stays in the decision log only.
 STAGES = ("parse", "tokenize", "hash", "match", "score", "explain", "total")
 _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
+_ratio_children: dict[str, HistogramChild] = {}
 
 
 def observe_decision(d: Decision) -> None:
@@ -64,4 +67,7 @@ def observe_decision(d: Decision) -> None:
         if child is not None:
             child.observe(seconds)
     if d.endpoints and d.request_tokens > 0:
-        MATCHED_RATIO.labels(d.policy).observe(min(d.matched_tokens / d.request_tokens, 1.0))
+        ratio = _ratio_children.get(d.policy)
+        if ratio is None:
+            ratio = _ratio_children[d.policy] = MATCHED_RATIO.labels(d.policy)
+        ratio.observe(min(d.matched_tokens / d.request_tokens, 1.0))

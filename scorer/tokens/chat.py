@@ -135,6 +135,7 @@ class _Namespace(jinja2.utils.Namespace):
 
 
 _DICT_ATTRS = frozenset(dir(dict))
+_MISSING = object()
 _STR_WRAPPED = frozenset({"format", "format_map"})  # the sandbox wraps these two
 _LOOP_ATTRS = frozenset(
     {"index", "index0", "first", "last", "length", "revindex", "revindex0", "depth", "depth0"}
@@ -147,16 +148,21 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     `message.content` on a plain dict and `text.startswith(...)` on a str take the
     sandbox's generic path (an AttributeError, then safety checks) ~500 times per
     render of a long conversation. The shortcuts return exactly what that path returns:
-    a dict key that is not a dict attribute, or a public str method other than the
-    format methods (str is immutable, its methods return plain data). Everything else
-    goes through the full sandbox.
+    a dict key that is not a dict attribute (undefined when the dict lacks it), or a
+    public str method other than the format methods (str is immutable, its methods
+    return plain data). Everything else goes through the full sandbox.
     """
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         t = type(obj)
         if t is dict:
-            if attribute not in _DICT_ATTRS and attribute in obj:
-                return obj[attribute]
+            if attribute not in _DICT_ATTRS:
+                v = obj.get(attribute, _MISSING)
+                if v is not _MISSING:
+                    return v
+                # What the generic path ends with for a missing key (`is defined` tests on
+                # optional message fields): no attribute, no item, so undefined.
+                return self.undefined(obj=obj, name=attribute)
         elif (
             t is str
             and isinstance(attribute, str)
@@ -344,7 +350,15 @@ def normalize_messages(messages: Any, fmt: ContentFormat) -> list[dict[str, Any]
     if not isinstance(messages, list) or not messages:
         raise ChatError("messages must be a non-empty list")
     out: list[dict[str, Any]] = []
+    plain = fmt == "string"
     for m in messages:
+        if plain and type(m) is dict and len(m) == 2:
+            # The common message, {"role": str, "content": str}: what the full path below
+            # builds for it (a developer message also gets `tools`).
+            role, content = m.get("role"), m.get("content")
+            if type(role) is str and type(content) is str and role != "developer":
+                out.append({"role": role, "content": content})
+                continue
         if not isinstance(m, dict):
             raise ChatError("each message must be an object")
         role = m.get("role")
@@ -461,7 +475,9 @@ def render_chat(
 
     # transformers drops None-valued keys, then aliases reasoning fields.
     chat = [
-        _alias_reasoning(
+        m
+        if len(m) == 2  # role and content, neither None: nothing to drop or alias
+        else _alias_reasoning(
             m if None not in m.values() else {k: v for k, v in m.items() if v is not None}
         )
         for m in messages

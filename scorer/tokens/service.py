@@ -33,27 +33,36 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter
 
 from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config, ConfigError
 from scorer.errors import json_error
+from scorer.histogram import LoopHistogram
 from scorer.routing import RoutingRequest
 from scorer.tokens.budget import BudgetExceeded
 from scorer.tokens.chat import ChatError, render_chat
+from scorer.tokens.prefix import HEAD_CHARS, PrefixState, PrefixStates, Space
 from scorer.tokens.registry import (
     EncodeStats,
     LocalTokenizer,
     TokenizerLoadError,
     load_tokenizer_shared,
 )
-from scorer.tokens.segments import SegmentCache, bytes_to_ids, ids_to_bytes
+from scorer.tokens.segments import (
+    SEGMENT_BYTES,
+    SegmentCache,
+    bytes_to_ids,
+    ids_array,
+    ids_to_bytes,
+)
 
 log = logging.getLogger(__name__)
 
-TOKENIZE_SECONDS = Histogram(
+# Observed on the event loop when the work is done (wherever it ran): see scorer.histogram.
+TOKENIZE_SECONDS = LoopHistogram(
     "kv_scorer_tokenize_seconds",
-    "Time from request body to block keys (render + tokenize + hash), in the worker thread.",
+    "Time from request body to block keys (render + tokenize + hash).",
     buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
 TOKENIZE_OUTCOMES = Counter(
@@ -61,11 +70,23 @@ TOKENIZE_OUTCOMES = Counter(
     "Requests through the tokens stage by outcome (ok, no_tokenizer, error, over_budget).",
     ["outcome"],
 )
+# Children resolved once (labels() takes a lock and builds a key per call).
+_OUTCOME = {o: TOKENIZE_OUTCOMES.labels(o) for o in ("ok", "no_tokenizer", "error", "over_budget")}
 
 
-# Requests whose prompt is estimated (from the body size) at most this many tokens are
-# tokenized on the event loop: encoding them costs less than handing them to a thread.
-INLINE_MAX_TOKENS = 256
+# Text prompts are tokenized on the event loop when the work is estimated to cost at most
+# INLINE_BUDGET_S: about what handing them to the pool costs (the hop measured ~100-130 µs
+# per request by bench/profile_kv.py). The estimate counts every body byte as a character
+# to encode at the tokenizer's measured typical rate (`LocalTokenizer.encode_ns_per_char`)
+# plus the chat template's render per message. The same bytes at the tokenizer's worst
+# measured rate (random words, nothing cached) must stay within INLINE_MAX_STALL_S: the
+# bound on how long one request may hold the loop, whatever it sends. Bodies over
+# INLINE_MAX_BYTES never run on the loop.
+INLINE_BUDGET_S = 100e-6
+INLINE_MAX_STALL_S = 1e-3
+INLINE_MAX_BYTES = 8192
+# The Qwen3 template renders ~5 µs per message (bench/bench_tokens.py: 0.30 ms for 58).
+RENDER_S_PER_MESSAGE = 6e-6
 # Token-id prompts up to this many ids are hashed on the event loop (~20 µs per 1,000 ids);
 # longer ones go to the pool like any other heavy work.
 INLINE_MAX_IDS = 2048
@@ -117,10 +138,20 @@ class PromptTooLarge(TokenizeError):
 
 
 @dataclass(slots=True)
+class _Cut:
+    """Where a prompt's text is cut for the prefix states, and the state it extends."""
+
+    space: Space
+    text: str
+    packed_bytes: int
+    replaces: int | None
+
+
+@dataclass(slots=True)
 class TokenizedPrompt:
     """A request's prompt as the engine will see it, and its block keys."""
 
-    token_ids: list[int]
+    packed: bytes  # the token ids as little-endian uint32 (scorer.blocks' packed form)
     block_keys: list[int]
     namespace: int
     block_size: int
@@ -130,6 +161,15 @@ class TokenizedPrompt:
     kind: str = "completion"  # "completion" | "chat" | "token_ids"
     stats: dict[str, int] = field(default_factory=dict)
     hash_seconds: float = 0.0  # of which: chaining the block keys (decision stage "hash")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids as a list (built on each access; the request path uses `packed`)."""
+        return bytes_to_ids(self.packed)
+
+    def __len__(self) -> int:
+        """Prompt tokens."""
+        return len(self.packed) // 4
 
 
 class Tokenization:
@@ -154,6 +194,8 @@ class Tokenization:
         tc = config.tokens
         self.lora_base = dict(tc.lora_base)
         self.cache = SegmentCache(tc.segment_cache_bytes)
+        # Conversation prefixes already split and hashed get a quarter of the budget.
+        self.prefixes = PrefixStates(tc.segment_cache_bytes // 4, SEGMENT_BYTES.inc)
         self._tokenizers: dict[str, LocalTokenizer] = {}
         by_source: dict[tuple[str, str | None], LocalTokenizer] = {}
         for model, mc in tc.models.items():
@@ -203,6 +245,7 @@ class Tokenization:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self.cache.clear()
+        self.prefixes.clear()
 
     def routes(self) -> list[tuple[str, str, Any]]:
         """Admin HTTP: `POST /debug/tokenize` (a request body → tokens, keys, namespace)."""
@@ -229,7 +272,7 @@ class Tokenization:
                 "lora": tp.lora,
                 "cache_salt": tp.cache_salt,
                 "kind": tp.kind,
-                "prompt_tokens": len(tp.token_ids),
+                "prompt_tokens": len(tp),
                 "token_ids": tp.token_ids,
                 "block_size": tp.block_size,
                 "namespace": tp.namespace,
@@ -297,13 +340,16 @@ class Tokenization:
         add_special = body.get("add_special_tokens")
         if add_special is not None and not isinstance(add_special, bool):
             raise TokenizeError("add_special_tokens must be a boolean")
+        known: tuple[int, ...] = ()
+        cut: _Cut | None = None
         if "messages" in body:
             kind = "chat"
             assert lt is not None  # only token-id prompts get here without a tokenizer
-            buf = self._chat_bytes(lt, body, bool(add_special), stats)
+            text = self._render(lt, body, stats)
+            buf, known, cut = self._text_bytes(lt, text, bool(add_special), ns, stats)
         elif "prompt" in body:
-            kind, buf = self._prompt_bytes(
-                lt, body["prompt"], True if add_special is None else add_special, stats
+            kind, buf, known, cut = self._prompt_bytes(
+                lt, body["prompt"], True if add_special is None else add_special, ns, stats
             )
         else:
             raise TokenizeError("the body has neither 'messages' nor 'prompt'")
@@ -318,12 +364,23 @@ class Tokenization:
             if trunc > 0 and len(buf) > 4 * trunc:
                 buf = buf[len(buf) - 4 * trunc :]
                 stats["truncated_to"] = trunc
+                known, cut = (), None  # the blocks moved: nothing of the prefix holds
         t_hash = time.perf_counter()
-        keys = self.hasher.keys_from_bytes(buf, ns)
+        hasher = self.hasher
+        if known:
+            # The prefix's full blocks are hashed already: chain on from its last key.
+            keys = list(known)
+            keys += hasher.keys_from_bytes(buf[len(known) * hasher.block_size * 4 :], 0, known[-1])
+        else:
+            keys = hasher.keys_from_bytes(buf, ns)
         hash_seconds = time.perf_counter() - t_hash
+        if cut is not None:
+            n = cut.packed_bytes // (4 * hasher.block_size)
+            state = PrefixState(cut.text, buf[: cut.packed_bytes], tuple(keys[:n]))
+            self.prefixes.store(cut.space, state, cut.replaces)
         return TokenizedPrompt(
             hash_seconds=hash_seconds,
-            token_ids=bytes_to_ids(buf),
+            packed=buf,
             block_keys=keys,
             namespace=ns,
             block_size=self.hasher.block_size,
@@ -372,41 +429,82 @@ class Tokenization:
             REQUEST_TEMPLATES.labels("over_budget").inc()
             raise TokenizeError(str(e)) from e
 
-    def _chat_bytes(
+    def _text_bytes(
         self,
         lt: LocalTokenizer,
-        body: Mapping[str, Any],
+        text: str,
         add_special: bool,
+        ns: int,
         stats: dict[str, int],
-    ) -> bytes:
-        text = self._render(lt, body, stats)
+    ) -> tuple[bytes, tuple[int, ...], _Cut | None]:
+        """Packed ids of a prompt text; the keys of the leading full blocks when a stored
+        prefix gave them; where to cut this text for the next request (scorer.tokens.prefix)."""
         es = EncodeStats()
-        buf = lt.encode_bytes(text, self.cache, add_special, es)
+        cache = self.cache
+        if not (
+            lt.prefix_safe
+            and lt.segment_safe
+            and cache.max_bytes > 0
+            and self.prefixes.max_bytes > 0
+            and len(text) >= HEAD_CHARS
+        ):
+            buf = lt.encode_bytes(text, cache, add_special, es)
+            stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
+            return buf, (), None
+        specials = add_special and bool(lt.prefix_ids or lt.suffix_ids)
+        space = (lt.space, ns, specials)
+        found = self.prefixes.find(space, text)
+        known: tuple[int, ...] = ()
+        handle: int | None = None
+        if found is None:
+            start, head = 0, b""
+            if specials:
+                head = ids_to_bytes(lt.prefix_ids)
+        else:
+            handle, st = found
+            start, head, known = len(st.text), st.packed, st.keys
+            stats["prefix_chars"] = start
+        pieces = lt.split(text[start:] if start else text)
+        parts = lt.encode_parts(pieces, cache, es)
         stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
-        return buf
+        body = b"".join(parts)
+        cut: _Cut | None = None
+        last = pieces[-1]
+        cut_chars = len(text) - len(last)
+        if len(pieces) > 1 and cut_chars >= HEAD_CHARS:
+            # The next request of this conversation starts here: after the last added token.
+            packed = len(head) + len(body) - (len(parts[-1]) if last else 0)
+            cut = _Cut(space, text[:cut_chars], packed, handle)
+        buf = head + body
+        if specials and lt.suffix_ids:
+            buf += ids_to_bytes(lt.suffix_ids)
+        return buf, known, cut
 
     def _prompt_bytes(
-        self, lt: LocalTokenizer | None, prompt: Any, add_special: bool, stats: dict[str, int]
-    ) -> tuple[str, bytes]:
+        self,
+        lt: LocalTokenizer | None,
+        prompt: Any,
+        add_special: bool,
+        ns: int,
+        stats: dict[str, int],
+    ) -> tuple[str, bytes, tuple[int, ...], _Cut | None]:
         if isinstance(prompt, list):
             if not prompt:
                 raise TokenizeError("prompt must not be an empty list")
             first = prompt[0]
             if isinstance(first, int) and not isinstance(first, bool):
-                return "token_ids", self._ids_bytes(prompt)
+                return "token_ids", self._ids_bytes(prompt), (), None
             # A batch: score the first prompt (see the module docstring).
             stats["batch"] = len(prompt)
             prompt = first
             if isinstance(prompt, list):
-                return "token_ids", self._ids_bytes(prompt)
+                return "token_ids", self._ids_bytes(prompt), (), None
         if not isinstance(prompt, str):
             raise TokenizeError("prompt must be a string, a list of token ids, or a batch")
         if lt is None:
             raise NoTokenizer("a text prompt needs a tokenizer")
-        es = EncodeStats()
-        buf = lt.encode_bytes(prompt, self.cache, add_special, es)
-        stats.update(segments=es.segments, misses=es.misses, encoded_chars=es.encoded_chars)
-        return "completion", buf
+        buf, known, cut = self._text_bytes(lt, prompt, add_special, ns, stats)
+        return "completion", buf, known, cut
 
     def _tokens_message(self, n: int) -> str:
         return (
@@ -435,6 +533,31 @@ class Tokenization:
         except OverflowError as e:
             raise TokenizeError("token ids must be in [0, 2**32)") from e
 
+    def inline_text(self, model: Any, body: Mapping[str, Any], body_bytes: int) -> bool:
+        """Whether a text body's tokens stage is cheap enough for the event loop (see
+        INLINE_BUDGET_S): characters to encode (a completion prompt's pieces missing from
+        the segment cache; else every body byte) x the tokenizer's measured rates, plus the
+        render per chat message, within the budget (typical rate) and the stall bound
+        (worst rate)."""
+        if not 0 < body_bytes <= INLINE_MAX_BYTES:
+            return False
+        lt = self.tokenizer_for(model if isinstance(model, str) else None)
+        if lt is None:
+            return False
+        render = 0.0
+        chars = body_bytes
+        messages = body.get("messages")
+        prompt = body.get("prompt")
+        if messages is not None:
+            render = (len(messages) if isinstance(messages, list) else 1) * RENDER_S_PER_MESSAGE
+        elif isinstance(prompt, str) and lt.segment_safe and self.cache.max_bytes > 0:
+            # A completion prompt's pieces are known before any work: count only the
+            # characters the segment cache does not hold (a repeated prompt costs lookups).
+            chars = self.cache.missing_chars(lt.space, lt.split(prompt)[0::2])
+        typical = chars * lt.encode_ns_per_char * 1e-9 + render
+        worst = chars * lt.encode_ns_per_char_worst * 1e-9 + render
+        return typical <= INLINE_BUDGET_S and worst <= INLINE_MAX_STALL_S
+
     # -- RequestPreparer -------------------------------------------------------------------
     def prepare_sync(self, request: RoutingRequest) -> None:
         """Fill the request's token fields in the calling thread (see `prepare`)."""
@@ -444,29 +567,28 @@ class Tokenization:
             return
         model = request.model if request.model is not None else body.get("model")
         if self.tokenizer_for(model) is None and not is_token_id_prompt(body):
-            TOKENIZE_OUTCOMES.labels("no_tokenizer").inc()
+            _OUTCOME["no_tokenizer"].inc()
             return  # token_ids stays None: the policy routes by load (no_tokenizer)
         try:
             tp = self.tokenize_body(model, body, lora=request.lora, cache_salt=request.cache_salt)
         except PromptTooLarge as e:
             request.over_budget = str(e)
-            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            _OUTCOME["over_budget"].inc()
             return
         except (TokenizeError, NoTokenizer) as e:
             request.tokenize_error = str(e)
-            TOKENIZE_OUTCOMES.labels("error").inc()
+            _OUTCOME["error"].inc()
             return
-        request.token_ids = tp.token_ids
+        request.token_ids = ids_array(tp.packed)
         request.block_keys = tp.block_keys
         request.block_size = tp.block_size
-        request.prompt_tokens = len(tp.token_ids)
+        request.prompt_tokens = len(tp)
         if request.cache_salt is None:
             request.cache_salt = tp.cache_salt
         if request.lora is None:
             request.lora = tp.lora
-        TOKENIZE_OUTCOMES.labels("ok").inc()
+        _OUTCOME["ok"].inc()
         elapsed = time.perf_counter() - t0
-        TOKENIZE_SECONDS.observe(elapsed)
         # Decision stages: render + encode, then hashing (the router reports both).
         request.stages["tokenize"] = elapsed - tp.hash_seconds
         request.stages["hash"] = tp.hash_seconds
@@ -486,7 +608,7 @@ class Tokenization:
             n = _id_count(body)
             if n > self.max_prompt_tokens:
                 request.over_budget = self._tokens_message(n)
-                TOKENIZE_OUTCOMES.labels("over_budget").inc()
+                _OUTCOME["over_budget"].inc()
                 return
             inline = n <= INLINE_MAX_IDS
         elif (
@@ -499,13 +621,16 @@ class Tokenization:
             return
         elif request.body_bytes > self.max_tokenize_bytes:
             request.over_budget = self.bytes_message(request.body_bytes)
-            TOKENIZE_OUTCOMES.labels("over_budget").inc()
+            _OUTCOME["over_budget"].inc()
             return
         else:
-            inline = 0 < request.prompt_tokens <= INLINE_MAX_TOKENS
+            inline = self.inline_text(request.model or body.get("model"), body, request.body_bytes)
         if inline and "chat_template" not in body:  # request-supplied code: always off the loop
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
             self.prepare_sync(request)
-            return
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor(), self.prepare_sync, request)
+        else:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor(), self.prepare_sync, request)
+        if request.block_keys is not None:
+            stages = request.stages
+            TOKENIZE_SECONDS.observe(stages.get("tokenize", 0.0) + stages.get("hash", 0.0))

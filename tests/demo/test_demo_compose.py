@@ -68,6 +68,8 @@ def test_services_images_and_build() -> None:
         base = re.search(r"^FROM (\S+)", dockerfile, re.M)
         assert base is not None and re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base.group(1))
         for src in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M):
+            if src.startswith("--from="):
+                continue  # from an earlier build stage, not from the checkout
             for path in src.split():
                 assert (ROOT / path).exists(), f"{rel} copies missing {path}"
     for svc in services.values():

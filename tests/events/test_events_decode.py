@@ -68,7 +68,7 @@ def test_every_vector_decodes_to_its_meaning(name: str, m: dict[str, Any]) -> No
         if isinstance(got, BlockStored):
             assert got.block_hashes == _unjson(exp["block_hashes"])
             assert got.parent_block_hash == _unjson(exp["parent_block_hash"])
-            assert got.token_ids == exp["token_ids"]
+            assert list(got.token_ids) == exp["token_ids"]
             assert got.block_size == exp["block_size"]
             assert got.lora_id == exp.get("lora_id")
             assert got.medium_raw == exp.get("medium")

@@ -50,7 +50,7 @@ async def test_token_id_prompts_need_no_tokenizer(tokens: Tokenization) -> None:
         req = RoutingRequest(request_id="r", model="no-such-model", body={"prompt": prompt})
         await tokens.prepare(req)
         assert req.tokenize_error is None
-        assert req.token_ids == ids
+        assert req.token_ids is not None and list(req.token_ids) == ids
         assert req.block_keys == BlockHasher(16).keys(ids)
     salted = RoutingRequest(
         request_id="r", model="no-such-model", body={"prompt": ids, "cache_salt": "t"}
@@ -239,7 +239,7 @@ async def test_huge_prompt_does_not_stall_a_tiny_one() -> None:
 
         tick_task = asyncio.create_task(ticker())
         await t.prepare(tiny)  # the other thread serves it meanwhile
-        assert tiny.token_ids == [14990]
+        assert tiny.token_ids is not None and list(tiny.token_ids) == [14990]
         for _ in range(6000):  # the event loop keeps running (bounded wait, ~30 s)
             if ticks >= 3:
                 break
@@ -390,5 +390,55 @@ def test_named_templates_from_tokenizer_config(tmp_path: Path) -> None:
         assert (
             t.render("m", {"messages": msgs, "documents": docs, "chat_template": "rag"}) == "Rdoc"
         )
+    finally:
+        t.close()
+
+
+def test_text_prompts_go_inline_by_measured_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inline when (characters to encode x measured rate) fits the hop's cost and the stall
+    bound; a completion prompt's cached pieces cost nothing to encode."""
+    from scorer.tokens import service
+
+    t = make_tokens({"qwen3": QWEN3})
+    lt = t.tokenizer_for("qwen3")
+    assert lt is not None
+    # Load measured both rates, typical below worst.
+    assert 0 < lt.encode_ns_per_char < lt.encode_ns_per_char_worst < float("inf")
+    monkeypatch.setattr(lt, "encode_ns_per_char", 100.0)  # 1,000 chars = 100 µs
+    monkeypatch.setattr(lt, "encode_ns_per_char_worst", 400.0)  # 2,500 chars = 1 ms
+    main = threading.get_ident()
+
+    def threads(body: dict[str, Any]) -> set[int]:
+        seen: set[int] = set()
+        real = t.prepare_sync
+
+        def spy(request: RoutingRequest) -> None:
+            seen.add(threading.get_ident())
+            real(request)
+
+        t.prepare_sync = spy  # type: ignore[method-assign]
+        try:
+            req = RoutingRequest(request_id="t", model="qwen3", body=body)
+            req.body_bytes = len(str(body))
+            asyncio.run(t.prepare(req))
+            assert req.token_ids is not None
+        finally:
+            del t.prepare_sync
+        return seen
+
+    try:
+        assert threads({"prompt": "hello " * 100}) == {main}  # 600 chars: 60 µs
+        new = {"prompt": "a new prompt " * 100}  # 1,300 chars: 130 µs typical
+        assert main not in threads(new)
+        assert threads(new) == {main}  # now its one piece is cached: lookups only
+        monkeypatch.setattr(lt, "encode_ns_per_char_worst", 2000.0)
+        assert main not in threads({"prompt": "worst case " * 60})  # 660 chars: 1.3 ms
+        # Chat: every body byte, plus the render per message.
+        msgs = [{"role": "user", "content": "hi"}] * 10
+        assert threads({"messages": msgs[:1]}) == {main}
+        monkeypatch.setattr(service, "RENDER_S_PER_MESSAGE", 10e-6)
+        assert main not in threads({"messages": msgs})  # 100 µs of render alone
+        assert not t.inline_text("qwen3", {"prompt": "x"}, service.INLINE_MAX_BYTES + 1)
+        assert not t.inline_text("qwen3", {"prompt": "x"}, 0)  # size unknown
     finally:
         t.close()

@@ -5,8 +5,10 @@ Why: grpcio's per-stream cost (completion-queue batches handed from its poller t
 the event loop, ~70 µs each, 7-8 per stream) is 500-700 µs of CPU per ext_proc stream on
 our 2-core bench, against 50-60 µs for our own routing. This server speaks just what
 Envoy's gRPC client needs for a bidi stream, parses frames with `struct` and decodes
-request headers with `hpack`, and writes all frames produced in one event-loop turn with
-one `transport.write`. `server.extproc_transport: grpcio` keeps the grpcio server.
+request headers with `hpack`, and writes all frames produced in one event-loop turn (or
+one `data_received`) with one `transport.write`. A handler may answer messages inside the
+frame loop, without a task switch (`H2Stream.on_message`: the ext_proc response path).
+`server.extproc_transport: grpcio` keeps the grpcio server.
 
 One job per module (uvicorn's protocols/http/ layout):
 - frames.py      HTTP/2 wire format: types, flags, codes, building frames (RFC 9113)

@@ -112,6 +112,7 @@ class H2Connection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.out: list[bytes] = []
         self.flush_scheduled = False
+        self.receiving = False  # inside data_received: it flushes at its end
         self.goaway_sent = False
         self.closed = False
         self.broken = False
@@ -209,6 +210,18 @@ class H2Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.broken or self.closed:
             return  # a connection error was answered with GOAWAY; closing
+        # Everything answered while these bytes are parsed (WINDOW_UPDATEs, ACKs, messages
+        # answered by a stream's `on_message`) leaves in one write at the end.
+        self.receiving = True
+        try:
+            self.receive(data)
+        finally:
+            self.receiving = False
+            if self.out:
+                self.flush()
+
+    def receive(self, data: bytes) -> None:
+        """Parse the frames in `data` (plus what an earlier call left incomplete)."""
         self.last_active = self.loop.time()
         buf = self.buf
         if buf:
@@ -615,7 +628,7 @@ class H2Connection(asyncio.Protocol):
         if self.closed:
             return
         self.out.append(data)
-        if not self.flush_scheduled:
+        if not self.flush_scheduled and not self.receiving:
             self.flush_scheduled = True
             self.loop.call_soon(self.flush)
 

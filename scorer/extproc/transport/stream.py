@@ -10,6 +10,7 @@ Trailers-Only responses.
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ from scorer.extproc.transport.hpack_codec import RESPONSE_HEADERS, status_traile
 if TYPE_CHECKING:
     from scorer.extproc.transport.connection import H2Connection
 
+log = logging.getLogger("scorer.extproc.transport")
 EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # same sentinel as grpc.aio's read()
 MSG = struct.Struct(">BI")  # gRPC message prefix: compressed flag, length
 
@@ -92,6 +94,7 @@ class H2Stream:
         "_unacked",
         "_waiter",
         "conn",
+        "fast",
         "handler",
         "headers",
         "path",
@@ -137,6 +140,8 @@ class H2Stream:
         self._sizes: deque[int] | None = deque()
         self._deserialize = deserialize
         self.handler: Handler | None = None  # set until the handler task starts
+        # Set by a handler (see `on_message`): answers a message synchronously on arrival.
+        self.fast: Callable[[bytes], bool] | None = None
 
     # ------------------------------------------------------------ servicer side
 
@@ -161,24 +166,42 @@ class H2Stream:
         data = message if isinstance(message, bytes) else message.SerializeToString()
         if self._done:
             raise asyncio.CancelledError()
+        if not self.write_now(data):
+            await self.conn.send_data(self, MSG.pack(0, len(data)) + data)
+
+    def write_now(self, data: bytes) -> bool:
+        """Send one serialized response message now if it fits one DATA frame within the
+        flow-control windows and the peer reads what we send; False (nothing sent) when
+        it has to wait (then `write` it)."""
         conn = self.conn
+        n = len(data) + 5
+        if (
+            n > conn.peer_max_frame
+            or n > conn.send_window
+            or n > conn.peer_initial_window + self.send_credit
+            or conn.write_paused is not None
+            or self._done
+        ):
+            return False
         if not self._headers_sent:
             self._headers_sent = True
             conn.reset_balance += 1  # an answered stream (rapid reset accounting)
             conn.send(frame(HEADERS, END_HEADERS, self.sid, RESPONSE_HEADERS))
-        n = len(data) + 5
-        if (
-            n <= conn.peer_max_frame
-            and n <= conn.send_window
-            and n <= conn.peer_initial_window + self.send_credit
-            and conn.write_paused is None
-        ):
-            # Fast path (every ext_proc answer but large bodies): one DATA frame, no waits.
-            conn.send(HDR.pack((n << 8) | DATA, 0, self.sid) + MSG.pack(0, n - 5) + data)
-            conn.send_window -= n
-            self.send_credit -= n
-            return
-        await conn.send_data(self, MSG.pack(0, len(data)) + data)
+        # One DATA frame: every ext_proc answer but large bodies.
+        conn.send(HDR.pack((n << 8) | DATA, 0, self.sid) + MSG.pack(0, n - 5) + data)
+        conn.send_window -= n
+        self.send_credit -= n
+        return True
+
+    def on_message(self, fast: Callable[[bytes], bool] | None) -> None:
+        """Install (None: remove) a synchronous answerer for this stream's messages.
+
+        `fast(raw)` gets each whole message's bytes as it arrives, while the handler is
+        parked in `read()` with nothing queued (so every earlier message is answered and
+        answers stay in order); it returns True when it answered and accounted for the
+        message (with `write_now`), False to queue it for `read()` as usual. It must not
+        block: it runs inside the connection's frame loop."""
+        self.fast = fast
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         """End the call with `code` (like grpc.aio's context.abort)."""
@@ -215,6 +238,23 @@ class H2Stream:
                     break
                 raw = bytes(buf[5 : 5 + n])
                 del buf[: 5 + n]
+                fast = self.fast
+                w = self._waiter
+                if fast is not None and not self._msgs and w is not None and not w.done():
+                    # The handler is parked in read(): answer here, no task switch.
+                    try:
+                        done = fast(raw)
+                    except Exception:
+                        log.exception("ext_proc message handler failed")
+                        if self._sizes is not None:
+                            self.conn.release(self, 5 + n)
+                        self.finish(2, "Unexpected error")  # UNKNOWN, as for a handler
+                        self.cancel_handler()
+                        return None
+                    if done:
+                        if self._sizes is not None:
+                            self.conn.release(self, 5 + n)
+                        continue
                 if self._deserialize is None:
                     self._msgs.append(raw)
                 else:

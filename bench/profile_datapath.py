@@ -1,0 +1,376 @@
+"""Where one request's time goes in the ext_proc data path, per message and per stage.
+
+    .venv/bin/python bench/profile_datapath.py [--requests 300] [--chunks 20]
+        [--policy round_robin] [--request-mode FULL_DUPLEX_STREAMED|BUFFERED] [--reference]
+
+In-process and without Envoy, so the stages can be timed where they run: a real `App`
+(asyncio transport, `extproc.track_responses` on, the policy asked for) gets one HTTP/2
+connection whose transport writes to a real loopback TCP socket. Per request the driver
+sends the messages Envoy 1.40 sends for a streamed completion (request headers with the
+processing modes, a 2 KB body, response headers, `--chunks` SSE body chunks, the last one
+with end_of_stream, the end of the stream), each in its own `data_received` as Envoy's
+frames arrive, and waits until it is answered before sending the next.
+
+Stages (µs per message, median over the messages of a kind; exclusive time, perf_counter;
+each timed call adds the timer's own ~0.5 µs):
+- frame:    HTTP/2 frame loop and gRPC message framing (data_received minus what it calls)
+- decode:   protobuf parse (ProcessingRequest.FromString) or the wire reader (wire.py)
+- director: the director's hooks (new_request, request_received, response_started,
+            response_chunk, response_ended)
+- encode:   protobuf serialization + DATA framing of the answers (H2Stream.write /
+            write_now) or the wire encoder
+- write:    transport.write (one per batch of frames: a send() on the TCP socket)
+- other:    the rest until the answer was written: event-loop turns, task switches, the
+            servicer's own code
+`--reference`: the fast path (H2Stream.on_message) switched off, every message through the
+protobuf path, for comparison. Prints a table and writes bench/out/datapath_stages.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from envoy.config.core.v3 import base_pb2  # noqa: E402
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep  # noqa: E402
+from hpack import Encoder  # noqa: E402
+
+from scorer import director as director_mod  # noqa: E402
+from scorer.app import App  # noqa: E402
+from scorer.config import load_config  # noqa: E402
+from scorer.extproc import wire  # noqa: E402
+from scorer.extproc.servicer import PROCESS_PATH  # noqa: E402
+from scorer.extproc.transport import H2Connection, H2Stream  # noqa: E402
+from scorer.extproc.transport import frames as F  # noqa: E402
+
+PM = processing_mode_pb2.ProcessingMode
+STAGES = ("frame", "decode", "director", "encode", "write", "other")
+WORKERS = ["127.0.0.1:7001", "127.0.0.1:7002"]
+
+
+class Clock:
+    """Exclusive time per (message kind, stage): nested timed calls are subtracted."""
+
+    def __init__(self) -> None:
+        self.kind = "?"
+        self.stack: list[float] = []
+        self.us: dict[tuple[str, str], float] = defaultdict(float)
+
+    def enter(self) -> float:
+        self.stack.append(0.0)
+        return time.perf_counter()
+
+    def leave(self, stage: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        child = self.stack.pop()
+        if self.stack:
+            self.stack[-1] += dt
+        self.us[(self.kind, stage)] += (dt - child) * 1e6
+
+    def wrap(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = self.enter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.leave(stage, t0)
+
+        return timed
+
+    def wrap_async(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # Times the whole await: the hooks timed so do not suspend with round_robin/kv
+        # without a tokenizer (a tokens thread hand-off would be counted here).
+        async def timed(*a: Any, **k: Any) -> Any:
+            t0 = self.enter()
+            try:
+                return await fn(*a, **k)
+            finally:
+                self.leave(stage, t0)
+
+        return timed
+
+
+class SocketTransport(asyncio.Transport):
+    """The connection's transport: writes go to a real loopback TCP socket."""
+
+    def __init__(self, sock: socket.socket, clock: Clock) -> None:
+        super().__init__()
+        self.sock = sock
+        self.clock = clock
+        self.writes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        t0 = self.clock.enter()
+        self.sock.sendall(data)
+        self.writes += 1
+        self.clock.leave("write", t0)
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(srv.getsockname())
+    b, _ = srv.accept()
+    srv.close()
+    b.setblocking(False)
+    return a, b
+
+
+def message(kind: str, chunk: int = 0, last: bool = False, mode: int = 0) -> bytes:
+    """One ProcessingRequest as Envoy 1.40 sends it (values in raw_value)."""
+    m = ep.ProcessingRequest()
+    if kind == "request_headers":
+        hs = {
+            ":method": "POST",
+            ":path": "/v1/completions",
+            ":authority": "bench",
+            "content-type": "application/json",
+            "x-request-id": f"req-{chunk}",
+        }
+        for k, v in hs.items():
+            m.request_headers.headers.headers.append(
+                base_pb2.HeaderValue(key=k, raw_value=v.encode())
+            )
+        m.protocol_config.request_body_mode = mode  # type: ignore[assignment]
+        m.protocol_config.response_body_mode = PM.FULL_DUPLEX_STREAMED
+    elif kind == "request_body":
+        prompt = "x" * 1990
+        m.request_body.body = json.dumps(
+            {"model": "m", "prompt": prompt, "stream": True, "max_tokens": 16}
+        ).encode()
+        m.request_body.end_of_stream = True
+    elif kind == "response_headers":
+        for k, v in ((":status", "200"), ("content-type", "text/event-stream")):
+            m.response_headers.headers.headers.append(
+                base_pb2.HeaderValue(key=k, raw_value=v.encode())
+            )
+    else:
+        text = b'data: {"choices":[{"index":0,"text":" tok"}],"i":%d}\n\n' % chunk
+        if last:
+            text += b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":16}}\n\n'
+            text += b"data: [DONE]\n\n"
+        m.response_body.body = text
+        m.response_body.end_of_stream = last
+    return m.SerializeToString()
+
+
+def data_frame(sid: int, msg: bytes, end: bool = False) -> bytes:
+    payload = b"\x00" + len(msg).to_bytes(4, "big") + msg
+    return F.frame(F.DATA, F.END_STREAM if end else 0, sid, payload)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = load_config(
+        overrides={
+            "server": {
+                "host": "127.0.0.1",
+                "extproc_port": 0,
+                "health_port": 0,
+                "admin_port": 0,
+                "grace_period_s": 0.5,
+                "extproc_transport": "asyncio",
+            },
+            "pool": {"workers": WORKERS},
+            "policy": args.policy,
+            "extproc": {"track_responses": True},
+        },
+        environ={},
+    )
+    app = App(cfg)
+    await app.start()
+    clock = Clock()
+    server = app.extproc_h2
+    assert server is not None
+    # Timed seams: the deserializer, the wire reader/encoder, the director's hooks,
+    # H2Stream's writes, the frame loop and the socket write.
+    handler, deserialize = server.handlers[PROCESS_PATH]
+    assert deserialize is not None
+    server.handlers[PROCESS_PATH] = (handler, clock.wrap("decode", deserialize))
+    wire.body_chunk = clock.wrap("decode", wire.body_chunk)  # type: ignore[assignment]
+    wire.request_kind = clock.wrap("decode", wire.request_kind)  # type: ignore[assignment]
+    wire.streamed_body_response = clock.wrap("encode", wire.streamed_body_response)  # type: ignore[assignment]
+    d = app.director
+    for name in ("new_request", "response_started", "response_chunk", "response_ended"):
+        setattr(d, name, clock.wrap("director", getattr(d, name)))
+    d.request_received = clock.wrap_async("director", d.request_received)  # type: ignore[method-assign]
+    H2Stream.write = clock.wrap_async("encode", H2Stream.write)  # type: ignore[method-assign]
+    H2Stream.write_now = clock.wrap("encode", H2Stream.write_now)  # type: ignore[method-assign]
+    if args.reference:
+        H2Stream.on_message = lambda self, fast: None  # type: ignore[method-assign]
+    H2Connection.data_received = clock.wrap("frame", H2Connection.data_received)  # type: ignore[method-assign]
+    assert director_mod  # the module stays imported for its hooks
+
+    ours, peer = tcp_pair()
+    transport = SocketTransport(ours, clock)
+    conn = H2Connection(server)
+    conn.connection_made(transport)
+    enc = Encoder()
+    mode = PM.FULL_DUPLEX_STREAMED if args.request_mode == "FULL_DUPLEX_STREAMED" else PM.BUFFERED
+    conn.data_received(F.PREFACE + F.frame(F.SETTINGS, 0, 0))
+    peer_bytes = 0
+
+    def drain() -> None:
+        nonlocal peer_bytes
+        while True:
+            try:
+                got = peer.recv(1 << 20)
+            except BlockingIOError:
+                return
+            peer_bytes += len(got)
+
+    async def answered(writes: int) -> None:
+        # The answer went out once the transport wrote again; bounded wait, no sleeps.
+        for _ in range(10_000):
+            if transport.writes > writes:
+                return
+            await asyncio.sleep(0)
+        raise RuntimeError("no answer")
+
+    # Per message: its stages' µs and its total (the median is reported: the machine's
+    # other load lands on a few messages, not on every one).
+    samples: dict[str, list[dict[str, float]]] = defaultdict(list)
+    us = clock.us
+
+    async def send(kind: str, data: bytes, expect_answer: bool = True) -> None:
+        clock.kind = kind
+        before = [us[(kind, s)] for s in STAGES[:-1]]
+        w = transport.writes
+        t0 = time.perf_counter()
+        conn.data_received(data)
+        if expect_answer:
+            await answered(w)
+        else:
+            for _ in range(3):
+                await asyncio.sleep(0)
+        total = (time.perf_counter() - t0) * 1e6
+        row = {s: us[(kind, s)] - b for s, b in zip(STAGES[:-1], before, strict=True)}
+        row["other"] = max(total - sum(row.values()), 0.0)
+        row["total"] = total
+        samples[kind].append(row)
+        drain()
+
+    chunks = [message("response_body", i, i == args.chunks - 1) for i in range(args.chunks)]
+    body = message("request_body")
+    rheaders = message("response_headers")
+    sid = 1
+    for r in range(args.requests + args.warmup):
+        if r == args.warmup:
+            samples.clear()
+        block = enc.encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", PROCESS_PATH),
+                (":authority", "ext_proc"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ]
+        )
+        head = F.frame(F.HEADERS, F.END_HEADERS, sid, block)
+        # FULL_DUPLEX_STREAMED: the headers are answered after the body (the routing
+        # answer, then the body streamed back); BUFFERED: at once.
+        hmsg = message("request_headers", r, mode=mode)
+        await send("request_headers", head + data_frame(sid, hmsg), mode == PM.BUFFERED)
+        await send("request_body", data_frame(sid, body))
+        await send("response_headers", data_frame(sid, rheaders))
+        for c in chunks:
+            await send("response_body", data_frame(sid, c))
+        await send("end_of_stream", F.frame(F.DATA, F.END_STREAM, sid))
+        # Envoy returns the window our answers used (it reads them).
+        conn.data_received(F.window_update(0, 1 << 20) + F.window_update(sid, 1 << 20))
+        sid += 2
+    await app.stop()
+    ours.close()
+    peer.close()
+    rows = []
+    for kind, rs in samples.items():
+        med = {s: statistics.median(r[s] for r in rs) for s in (*STAGES, "total")}
+        mean = statistics.fmean(r["total"] for r in rs)
+        rows.append(
+            {
+                "message": kind,
+                "count": len(rs),
+                "total_us_median": med.pop("total"),
+                "total_us_mean": mean,
+                "stages_us_median": med,
+            }
+        )
+    return {
+        "benchmark": "datapath_stages",
+        "policy": args.policy,
+        "request_mode": args.request_mode,
+        "reference": args.reference,
+        "requests": args.requests,
+        "chunks_per_request": args.chunks,
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--chunks", type=int, default=20)
+    ap.add_argument("--policy", default="round_robin")
+    ap.add_argument(
+        "--request-mode",
+        default="FULL_DUPLEX_STREAMED",
+        choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
+    )
+    ap.add_argument("--reference", action="store_true", help="fast path off (protobuf path)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "datapath_stages.json"))
+    args = ap.parse_args()
+    doc = asyncio.run(run(args))
+    path = "reference (protobuf) path" if args.reference else "fast path"
+    print(
+        f"µs per message (median), {args.requests} requests x {args.chunks} chunks, "
+        f"{args.policy}, {args.request_mode}, {path}"
+    )
+    print(
+        f"{'message':>17} {'count':>6} | "
+        + " ".join(f"{s:>8}" for s in STAGES)
+        + f" | {'total':>7} {'mean':>7}"
+    )
+    for r in doc["rows"]:
+        st = r["stages_us_median"]
+        print(
+            f"{r['message']:>17} {r['count']:>6} | "
+            + " ".join(f"{st[s]:>8.1f}" for s in STAGES)
+            + f" | {r['total_us_median']:>7.1f} {r['total_us_mean']:>7.1f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A Prometheus histogram for values observed on the event loop, at a tenth of the cost.
+
+`prometheus_client.Histogram.observe` takes a lock per call, walks the buckets in Python
+and increments a locked value per bucket hit plus one for the sum: ~1.5 µs per
+observation, and a decision observes up to nine (its stages, the matched-token ratio,
+the tokenize time) — about a tenth of a `round_robin` decision. `LoopHistogram` keeps
+per-bucket counts in a plain list (one `bisect` and two additions per observation,
+~0.15 µs) and builds the exposition at scrape time through the registry's custom
+collector interface. The exposed family is the same: name, help, label names, `le`
+buckets, `_count` and `_sum` (it has no `_created` sample).
+
+There is no lock: observe and collect must run on one thread. The decision bookkeeping
+(scorer.director) and `/metrics` (scorer.api.admin) both run on the event loop.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+
+class HistogramChild:
+    """One label set's buckets (le = the upper bounds, +Inf last) and sum."""
+
+    __slots__ = ("_bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one value (in the first bucket whose bound is >= value, as Prometheus)."""
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.sum += value
+
+
+class LoopHistogram:
+    """A histogram family registered as a collector (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        buckets: Sequence[float] = (),
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        bounds = tuple(sorted(float(b) for b in buckets if b != float("inf")))
+        if not bounds:
+            raise ValueError(f"{name}: a histogram needs at least one finite bucket")
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._bounds = bounds
+        # The `le` text prometheus_client writes (its helper is untyped).
+        self._les = [floatToGoString(b) for b in bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        if not self.labelnames:
+            self._children[()] = HistogramChild(bounds)
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> HistogramChild:
+        """The child for one label set (created on first use; keep it to skip the lookup)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = HistogramChild(self._bounds)
+        return child
+
+    def observe(self, value: float) -> None:
+        """Observe on the unlabelled histogram."""
+        self._children[()].observe(value)
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples (the registry checks names against it)."""
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        """The family with cumulative buckets, count and sum per label set."""
+        fam = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        les = self._les
+        for key, child in list(self._children.items()):
+            acc = 0
+            buckets: list[tuple[str, float]] = []
+            for le, n in zip(les, child.counts, strict=True):
+                acc += n
+                buckets.append((le, float(acc)))
+            fam.add_metric(list(key), buckets, child.sum)
+        yield fam

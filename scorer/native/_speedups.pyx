@@ -1,0 +1,458 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Compiled hot paths of the event → index path (the pure-Python code is the reference).
+
+* `chain_keys` / `chain_keys_bytes`: `BlockHasher.keys` / `keys_from_bytes` for xxh3 (same
+  keys: xxh3_64 of each block's tokens as little-endian uint32, seeded by the previous key),
+  with the xxHash C library (vendored header, scorer/native/xxhash/) instead of one Python
+  call and one bytes slice per block;
+* `msgpack_uint32s`: a msgpack array of token ids (a `msgspec.Raw` field of the typed event
+  decoder) → `array('I')`, so the decoder never makes one Python int per token;
+* `engine_keys`: `apply._engine_keys` for int hashes (h & MASK60) in one C loop;
+* `EngineMap`: a worker's engine key → our key map (insertion-ordered like a dict, oldest
+  first for eviction), 24-48 bytes per entry instead of a dict entry plus one int object.
+
+Every function raises the same exception classes as the pure code on bad input
+(TypeError / OverflowError), so callers count the same outcomes.
+"""
+
+from cpython.array cimport array, clone
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memset
+
+cdef extern from *:
+    """
+    #define XXH_INLINE_ALL
+    #include "xxhash.h"
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    #define KV_BIG_ENDIAN 1
+    #else
+    #define KV_BIG_ENDIAN 0
+    #endif
+    static inline uint32_t kv_le32(uint32_t x) {
+    #if KV_BIG_ENDIAN
+        return __builtin_bswap32(x);
+    #else
+        return x;
+    #endif
+    }
+    /* The first `total` items of a list as little-endian uint32 (what array('I') takes:
+       ints and __index__ objects; TypeError / OverflowError otherwise). */
+    static int kv_fill_u32(PyObject* list, Py_ssize_t total, uint32_t* buf) {
+        for (Py_ssize_t i = 0; i < total; i++) {
+            if (i >= PyList_GET_SIZE(list)) {  /* an __index__ method shrank the list */
+                PyErr_SetString(PyExc_ValueError, "token list changed while hashing");
+                return -1;
+            }
+            PyObject* v = PyList_GET_ITEM(list, i);
+            unsigned long x;
+            if (PyLong_Check(v)) {
+                x = PyLong_AsUnsignedLong(v);
+            } else {
+                PyObject* iv = PyNumber_Index(v);
+                if (iv == NULL) return -1;
+                x = PyLong_AsUnsignedLong(iv);
+                Py_DECREF(iv);
+            }
+            if (x == (unsigned long)-1 && PyErr_Occurred()) return -1;
+            if (x > 0xFFFFFFFFUL) {
+                PyErr_SetString(PyExc_OverflowError, "token id out of the uint32 range");
+                return -1;
+            }
+            buf[i] = kv_le32((uint32_t)x);
+        }
+        return 0;
+    }
+    /* k as uint64 when it is an int in [0, 2**64 - 1) (UINT64_MAX is the dead mark):
+       1, else 0 with no exception set. */
+    static inline int kv_u64(PyObject* k, uint64_t* out) {
+        if (!PyLong_Check(k) || _PyLong_Sign(k) < 0 || _PyLong_NumBits(k) > 64) return 0;
+        *out = PyLong_AsUnsignedLongLongMask(k);
+        return *out != UINT64_MAX;
+    }
+    """
+    int kv_u64(object k, uint64_t* out)
+    int kv_fill_u32(list lst, Py_ssize_t total, uint32_t* buf) except -1
+    uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
+    uint32_t kv_le32(uint32_t x) nogil
+    int KV_BIG_ENDIAN
+
+cdef array _U32 = array("I")
+cdef uint64_t MASK60 = (1ULL << 60) - 1
+cdef uint64_t U32MAX = 0xFFFFFFFFULL  # a typed constant: a bare literal this big is a Python int
+
+
+cdef list _chain(const uint8_t* data, Py_ssize_t n, Py_ssize_t stride, uint64_t prev):
+    cdef list out = []
+    cdef Py_ssize_t i
+    for i in range(n):
+        prev = XXH3_64bits_withSeed(data + i * stride, <size_t>stride, prev)
+        out.append(prev)
+    return out
+
+
+def chain_keys(tokens, Py_ssize_t block_size, uint64_t seed):
+    """Keys of the full blocks of `tokens` (a list of ints or an array('I')), chained from
+    `seed` ((parent or 0) ^ namespace, already reduced to 64 bits)."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    cdef Py_ssize_t n = len(tokens) // block_size
+    cdef Py_ssize_t total = n * block_size
+    cdef Py_ssize_t i
+    cdef uint32_t* buf
+    cdef list lst
+    if n <= 0:
+        return []
+    if type(tokens) is array and (<array>tokens).ob_descr.typecode == b"I":
+        if not KV_BIG_ENDIAN:
+            return _chain(<const uint8_t*>(<array>tokens).data.as_uints, n, block_size * 4, seed)
+        lst = list(tokens[:total])
+    elif type(tokens) is list:
+        lst = <list>tokens
+    else:
+        lst = list(tokens[:total])
+    buf = <uint32_t*>PyMem_Malloc(total * 4)
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        kv_fill_u32(lst, total, buf)
+        return _chain(<const uint8_t*>buf, n, block_size * 4, seed)
+    finally:
+        PyMem_Free(buf)
+
+
+def chain_keys_bytes(data, Py_ssize_t stride, uint64_t seed):
+    """Keys of the full `stride`-byte blocks of a bytes-like object of packed uint32 ids."""
+    cdef Py_buffer view
+    if stride < 1:
+        raise ValueError("stride must be >= 1")
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        return _chain(<const uint8_t*>view.buf, view.len // stride, stride, seed)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int j
+    for j in range(k):
+        v = (v << 8) | p[j]
+    return v
+
+
+def msgpack_uint32s(raw):
+    """A msgpack array whose items are all ints in [0, 2**32) → array('I'); None for any
+    other value (the caller then decodes the payload on its generic path)."""
+    cdef Py_buffer view
+    cdef const uint8_t* p
+    cdef const uint8_t* end
+    cdef Py_ssize_t n, i
+    cdef uint8_t b
+    cdef uint64_t v
+    cdef int k
+    cdef array out
+    cdef uint32_t* dst
+    PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
+    try:
+        p = <const uint8_t*>view.buf
+        end = p + view.len
+        if view.len < 1:
+            return None
+        b = p[0]
+        if 0x90 <= b <= 0x9F:
+            n = b & 0x0F
+            p += 1
+        elif b == 0xDC and view.len >= 3:
+            n = <Py_ssize_t>_be(p + 1, 2)
+            p += 3
+        elif b == 0xDD and view.len >= 5:
+            n = <Py_ssize_t>_be(p + 1, 4)
+            p += 5
+        else:
+            return None
+        if n > end - p:  # every item takes at least one byte
+            return None
+        out = clone(_U32, n, False)
+        dst = out.data.as_uints
+        for i in range(n):
+            if p >= end:
+                return None
+            b = p[0]
+            if b <= 0x7F:
+                dst[i] = b
+                p += 1
+                continue
+            if 0xCC <= b <= 0xCF:  # uint8/16/32/64
+                k = 1 << (b - 0xCC)
+                if end - p < 1 + k:
+                    return None
+                v = _be(p + 1, k)
+                if v > U32MAX:
+                    return None
+                dst[i] = <uint32_t>v
+                p += 1 + k
+                continue
+            if 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
+                k = 1 << (b - 0xD0)
+                if end - p < 1 + k:
+                    return None
+                v = _be(p + 1, k)
+                if (v >> (8 * k - 1)) & 1 or v > U32MAX:
+                    return None
+                dst[i] = <uint32_t>v
+                p += 1 + k
+                continue
+            return None
+        if p != end:
+            return None
+        return out
+    finally:
+        PyBuffer_Release(&view)
+
+
+def engine_keys(list hashes):
+    """[h & MASK60 for h in hashes] when the first hash is an int and every hash is an int
+    (what apply's comprehension accepts); None otherwise (the caller takes its general
+    path)."""
+    cdef list out = []
+    cdef object h
+    if not hashes or type(hashes[0]) is not int:
+        return None
+    for h in hashes:
+        if not PyLong_Check(h):
+            return None
+        out.append(PyLong_AsUnsignedLongLongMask(h) & MASK60)
+    return out
+
+
+# ---- EngineMap -----------------------------------------------------------------------------
+
+cdef enum:
+    _EMPTY = -1
+    _DUMMY = -2
+
+cdef uint64_t _DEAD = 0xFFFFFFFFFFFFFFFFULL  # an entry's key after deletion
+
+
+cdef class EngineMap:
+    """engine key (int in [0, 2**64-1)) → our key (uint64), insertion-ordered.
+
+    Like CPython's dict: an append-only entry array (key, value) in insertion order and an
+    open-addressing index of int32 entry positions (linear probing, load <= 1/2). A deleted
+    entry keeps its place (key = dead) until the next rebuild; re-inserting an existing key
+    keeps its position (dict.update semantics), so `pop_oldest` evicts what a dict would.
+    Memory: 16 bytes per entry slot + 8 bytes of index per entry slot, PyMem (tracemalloc
+    sees it)."""
+
+    cdef uint64_t* ek
+    cdef uint64_t* val
+    cdef int32_t* idx
+    cdef Py_ssize_t cap  # entry slots
+    cdef Py_ssize_t used  # entries appended (live + dead)
+    cdef Py_ssize_t live
+    cdef Py_ssize_t head  # no live entry before this position
+    cdef int bits  # index size = 1 << bits
+
+    def __cinit__(self):
+        self.ek = NULL
+        self.val = NULL
+        self.idx = NULL
+        self.cap = self.used = self.live = self.head = 0
+        self.bits = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.ek)
+        PyMem_Free(self.val)
+        PyMem_Free(self.idx)
+
+    cdef inline Py_ssize_t _slot0(self, uint64_t k) noexcept nogil:
+        return <Py_ssize_t>((k * 0x9E3779B97F4A7C15ULL) >> (64 - self.bits))
+
+    cdef Py_ssize_t _find(self, uint64_t k) noexcept nogil:
+        """Entry position of key k, or -1."""
+        cdef Py_ssize_t mask, s
+        cdef int32_t e
+        if self.bits == 0:
+            return -1
+        mask = (1 << self.bits) - 1
+        s = self._slot0(k)
+        while True:
+            e = self.idx[s]
+            if e == _EMPTY:
+                return -1
+            if e >= 0 and self.ek[e] == k:
+                return e
+            s = (s + 1) & mask
+
+    cdef int _rebuild(self, Py_ssize_t new_cap) except -1:
+        """Compact the live entries into `new_cap` slots and re-index them."""
+        cdef Py_ssize_t i, j = 0, s, mask
+        cdef int bits = 3
+        cdef uint64_t* nek
+        cdef uint64_t* nval
+        cdef int32_t* nidx
+        while (1 << bits) < 2 * new_cap:
+            bits += 1
+        if new_cap > 0x3FFFFFFF:
+            raise MemoryError("EngineMap too large")
+        nek = <uint64_t*>PyMem_Malloc(new_cap * 8)
+        nval = <uint64_t*>PyMem_Malloc(new_cap * 8)
+        nidx = <int32_t*>PyMem_Malloc((1 << bits) * 4)
+        if nek == NULL or nval == NULL or nidx == NULL:
+            PyMem_Free(nek)
+            PyMem_Free(nval)
+            PyMem_Free(nidx)
+            raise MemoryError()
+        memset(nidx, 0xFF, (1 << bits) * 4)  # all _EMPTY (-1)
+        mask = (1 << bits) - 1
+        for i in range(self.head, self.used):
+            if self.ek[i] == _DEAD:
+                continue
+            nek[j] = self.ek[i]
+            nval[j] = self.val[i]
+            s = <Py_ssize_t>((nek[j] * 0x9E3779B97F4A7C15ULL) >> (64 - bits))
+            while nidx[s] != _EMPTY:
+                s = (s + 1) & mask
+            nidx[s] = <int32_t>j
+            j += 1
+        PyMem_Free(self.ek)
+        PyMem_Free(self.val)
+        PyMem_Free(self.idx)
+        self.ek, self.val, self.idx = nek, nval, nidx
+        self.cap, self.used, self.live, self.head, self.bits = new_cap, j, j, 0, bits
+        return 0
+
+    cdef int _put(self, uint64_t k, uint64_t v) except -1:
+        cdef Py_ssize_t e, s, mask, c
+        if k == _DEAD:
+            raise OverflowError("engine key out of range")
+        e = self._find(k)
+        if e >= 0:
+            self.val[e] = v
+            return 0
+        if self.used == self.cap:
+            # Full: compact when at least half is dead, else double.
+            c = self.cap if self.live * 2 <= self.cap and self.cap else max(8, self.cap * 2)
+            self._rebuild(c)
+        mask = (1 << self.bits) - 1
+        s = self._slot0(k)
+        while self.idx[s] >= 0:  # reuse the first empty or dummy slot on the probe path
+            s = (s + 1) & mask
+        e = self.used
+        self.ek[e] = k
+        self.val[e] = v
+        self.idx[s] = <int32_t>e
+        self.used += 1
+        self.live += 1
+        return 0
+
+    cdef int _delete_at(self, uint64_t k) except -1:
+        """Delete key k; -1 with KeyError when absent."""
+        cdef Py_ssize_t mask, s
+        cdef int32_t e
+        if self.bits:
+            mask = (1 << self.bits) - 1
+            s = self._slot0(k)
+            while True:
+                e = self.idx[s]
+                if e == _EMPTY:
+                    break
+                if e >= 0 and self.ek[e] == k:
+                    self.idx[s] = _DUMMY
+                    self.ek[e] = _DEAD
+                    self.live -= 1
+                    while self.head < self.used and self.ek[self.head] == _DEAD:
+                        self.head += 1
+                    return 0
+                s = (s + 1) & mask
+        raise KeyError(k)
+
+    cdef inline uint64_t _key(self, object k) except? 0xFFFFFFFFFFFFFFFF:
+        cdef uint64_t x
+        if kv_u64(k, &x):
+            return x
+        if not PyLong_Check(k):
+            raise TypeError(f"EngineMap keys are ints, got {type(k).__name__}")
+        raise OverflowError("engine key out of range")
+
+    def __len__(self):
+        return self.live
+
+    def __contains__(self, k):
+        cdef uint64_t x
+        return bool(kv_u64(k, &x)) and self._find(x) >= 0
+
+    def get(self, k, default=None):
+        """Our key for engine key `k`, or `default`."""
+        cdef Py_ssize_t e
+        cdef uint64_t x
+        if not kv_u64(k, &x):
+            return default
+        e = self._find(x)
+        return default if e < 0 else self.val[e]
+
+    def __getitem__(self, k):
+        v = self.get(k)
+        if v is None:
+            raise KeyError(k)
+        return v
+
+    def __setitem__(self, k, v):
+        self._put(self._key(k), <uint64_t>v)
+
+    def __delitem__(self, k):
+        self._delete_at(self._key(k))
+
+    def update_pairs(self, ekeys, keys):
+        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update."""
+        cdef Py_ssize_t i, n = min(len(ekeys), len(keys))
+        for i in range(n):
+            self._put(self._key(ekeys[i]), <uint64_t>keys[i])
+
+    def pop_oldest(self, Py_ssize_t n):
+        """Remove up to `n` oldest entries; returns them as [(engine key, our key)]."""
+        cdef list out = []
+        cdef Py_ssize_t i = self.head
+        while len(out) < n and i < self.used:
+            if self.ek[i] != _DEAD:
+                out.append((self.ek[i], self.val[i]))
+            i += 1
+        for ek, _ in out:
+            self._delete_at(ek)
+        return out
+
+    def clear(self):
+        """Remove every entry (and free the memory)."""
+        PyMem_Free(self.ek)
+        PyMem_Free(self.val)
+        PyMem_Free(self.idx)
+        self.ek = self.val = NULL
+        self.idx = NULL
+        self.cap = self.used = self.live = self.head = 0
+        self.bits = 0
+
+    def items(self):
+        """[(engine key, our key)] in insertion order."""
+        cdef Py_ssize_t i
+        return [(self.ek[i], self.val[i]) for i in range(self.head, self.used)
+                if self.ek[i] != _DEAD]
+
+    def keys(self):
+        """Engine keys in insertion order."""
+        cdef Py_ssize_t i
+        return [self.ek[i] for i in range(self.head, self.used) if self.ek[i] != _DEAD]
+
+    def values(self):
+        """Our keys in insertion order."""
+        cdef Py_ssize_t i
+        return [self.val[i] for i in range(self.head, self.used) if self.ek[i] != _DEAD]
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def nbytes(self):
+        """Bytes allocated (entries + index)."""
+        return self.cap * 16 + ((1 << self.bits) * 4 if self.bits else 0)

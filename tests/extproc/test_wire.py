@@ -1,0 +1,504 @@
+"""The fast response path (scorer.extproc.wire + H2Stream.on_message) against the protobuf
+path it stands in for.
+
+- the encoder gives the bytes protobuf's SerializeToString gives;
+- the reader accepts only messages protobuf parses, with the same body and end_of_stream;
+- end to end, on our HTTP/2 transport: the same client bytes (response headers, body
+  chunks with unknown fields, metadata, malformed messages, gRPC messages split across
+  DATA frames and DATA frames split across reads) into a connection with the fast path and
+  into one with it switched off give byte-identical answers and the same director calls.
+
+Property tests are derandomized in `make test`; counterexamples are kept as @example.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from configs import make_config
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from hpack import Encoder
+from hypo import scaled
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from scorer.app import App
+from scorer.extproc import protocol as P
+from scorer.extproc import wire
+from scorer.extproc.servicer import PROCESS_PATH
+from scorer.extproc.transport import H2Connection
+from scorer.extproc.transport import frames as F
+
+PM = processing_mode_pb2.ProcessingMode
+SIZES = st.one_of(st.integers(0, 300), st.sampled_from([127, 128, 16_379, 16_384, 70_000]))
+
+
+def _body(n: int, seed: int = 0) -> bytes:
+    return bytes((seed + i) % 251 for i in range(n))
+
+
+# ------------------------------------------------------------------ encoder
+
+
+@settings(max_examples=scaled(200))
+@given(n=SIZES, end=st.booleans(), seed=st.integers(0, 250))
+@example(n=0, end=False, seed=0)  # empty chunk: the nested messages still present
+@example(n=0, end=True, seed=0)
+@example(n=127, end=True, seed=0)  # the varint length boundaries
+@example(n=128, end=False, seed=0)
+@example(n=16_384, end=True, seed=0)
+def test_encoder_bytes_equal_protobuf(n: int, end: bool, seed: int) -> None:
+    body = _body(n, seed)
+    ours = wire.streamed_body_response(body, end, wire.RESP_RESPONSE_BODY)
+    assert ours == P.streamed_response_body(body, end).SerializeToString()
+    # The same encoder for the request body streamed back (FULL_DUPLEX_STREAMED).
+    if n <= P.BODY_CHUNK_BYTES:
+        ref = P.streamed_body(body, end)[0].SerializeToString()
+        assert wire.streamed_body_response(body, end, wire.RESP_REQUEST_BODY) == ref
+
+
+@pytest.mark.parametrize("n", [0, 1, 62_000, 62_001, 124_000, 130_000])
+@pytest.mark.parametrize("end", [True, False])
+def test_request_body_streamed_back_bytes_equal_protobuf(n: int, end: bool) -> None:
+    body = _body(n)
+    ref = [r.SerializeToString() for r in P.streamed_body(body, end_of_stream=end)]
+    assert wire.streamed_body(body, end) == ref
+
+
+# ------------------------------------------------------------------ reader
+
+
+def _field(number: int, wt: int, value: bytes) -> bytes:
+    return wire.varint(number << 3 | wt) + value
+
+
+def _len_field(number: int, value: bytes) -> bytes:
+    return _field(number, 2, wire.varint(len(value)) + value)
+
+
+# Bytes appended to a response_body message: unknown fields of each wire type, a group,
+# the oneof switched or repeated, HttpBody's other flags, metadata good and bad, junk.
+EXTRAS = {
+    "none": b"",
+    "unknown varint": _field(15, 0, b"\x01"),
+    "unknown len": _len_field(100, b"abc"),
+    "unknown fixed32": _field(12, 5, b"\x01\x02\x03\x04"),
+    "unknown fixed64": _field(13, 1, b"\x00" * 8),
+    "unknown group": _field(15, 3, b"") + _field(15, 4, b""),
+    "old async_mode": _field(1, 0, b"\x01"),
+    "observability_mode": _field(10, 0, b"\x01"),
+    "observability_mode as len": _len_field(10, b""),
+    "response_body again": _len_field(5, _len_field(1, b"zz")),
+    "oneof switched": _len_field(4, b""),
+    "end_of_stream_without_message": _len_field(5, _field(3, 0, b"\x01")),
+    "metadata served": _len_field(
+        8,
+        base_pb2.Metadata(
+            filter_metadata={"envoy.lb": {"fields": {P.SERVED_KEY: {"string_value": "1.2.3.4:8"}}}}
+        ).SerializeToString(),
+    ),
+    "metadata malformed": _len_field(8, _len_field(1, b"\xff")),
+    "attributes": _len_field(9, b""),
+    "protocol_config": _len_field(11, b""),
+    "truncated length": b"\x2a\x05ab",
+    "bad varint": b"\x78" + b"\xff" * 11,
+    "field zero": b"\x00\x01",
+}
+
+
+def chunk_raw(body: bytes, end: bool, extra: str, inner: bytes = b"") -> bytes:
+    """A response_body ProcessingRequest as protobuf writes it, then `extra` appended, with
+    `inner` bytes added inside the HttpBody."""
+    hb = ep.HttpBody(body=body, end_of_stream=end).SerializeToString() + inner
+    return _len_field(5, hb) + EXTRAS[extra]
+
+
+INNER = st.sampled_from(
+    [
+        b"",
+        _field(4, 0, b"\x01"),  # grpc_message_compressed
+        _field(2, 0, b"\x00"),  # end_of_stream again: the last one wins
+        _field(2, 0, b"\x85\x80\x00"),  # end_of_stream as a 3-byte varint (true)
+        _len_field(1, b"second body"),  # body twice: the last one wins
+        _len_field(7, b"x"),  # unknown inside HttpBody
+        _field(2, 2, b"\x00"),  # end_of_stream with the wrong wire type
+    ]
+)
+
+
+def reference(raw: bytes) -> tuple[bytes, bool] | None:
+    """What the protobuf path makes of `raw` for a response body: (body, end) or None."""
+    try:
+        m = ep.ProcessingRequest.FromString(raw)
+    except Exception:
+        return None
+    if m.WhichOneof("request") != "response_body":
+        return None
+    return m.response_body.body, m.response_body.end_of_stream
+
+
+def parses(raw: bytes) -> bool:
+    try:
+        ep.ProcessingRequest.FromString(raw)
+    except Exception:
+        return False
+    return True
+
+
+def accepted(raw: bytes) -> tuple[bytes, bool] | None:
+    """What the fast path takes (the servicer checks a metadata_context with protobuf)."""
+    got = wire.body_chunk(raw)
+    if got is None:
+        return None
+    body, end, meta = got
+    if meta:
+        try:
+            base_pb2.Metadata.FromString(meta)
+        except Exception:
+            return None
+    return body, end
+
+
+@settings(max_examples=scaled(300))
+@given(
+    n=SIZES,
+    end=st.booleans(),
+    extra=st.sampled_from(sorted(EXTRAS)),
+    inner=INNER,
+    junk=st.binary(max_size=24),
+    use_junk=st.booleans(),
+)
+@example(n=0, end=False, extra="none", inner=b"", junk=b"", use_junk=False)
+@example(n=5, end=True, extra="metadata served", inner=b"", junk=b"", use_junk=False)
+@example(n=5, end=True, extra="metadata malformed", inner=b"", junk=b"", use_junk=False)
+@example(n=5, end=False, extra="response_body again", inner=b"", junk=b"", use_junk=False)
+def test_reader_takes_only_what_protobuf_parses_the_same(
+    n: int, end: bool, extra: str, inner: bytes, junk: bytes, use_junk: bool
+) -> None:
+    raw = junk if use_junk else chunk_raw(_body(n), end, extra, inner)
+    ours = accepted(raw)
+    if ours is not None:
+        assert reference(raw) == ours
+    # The plain shapes Envoy sends are taken (the fast path is used, not only safe).
+    if not use_junk and not inner and extra in ("none", "metadata served", "unknown varint"):
+        assert ours == (_body(n), end)
+
+
+def test_request_kind() -> None:
+    assert wire.request_kind(_len_field(3, b"") + EXTRAS["metadata served"]) == 3
+    assert wire.request_kind(_len_field(3, b"") + _len_field(5, b"")) == 0  # two members
+    assert wire.request_kind(EXTRAS["bad varint"]) == 0
+    assert wire.request_kind(b"") == 0
+
+
+# ------------------------------------------------------------------ end to end
+
+
+class Recorder(asyncio.Transport):
+    """A transport that keeps what the connection writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+
+    def write(self, data: Any) -> None:
+        self.out += data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def frames(data: bytes) -> Iterator[tuple[int, int, int, bytes]]:
+    pos = 0
+    while pos + 9 <= len(data):
+        lt, flags, sid = F.HDR.unpack_from(data, pos)
+        n = lt >> 8
+        yield lt & 0xFF, flags, sid, data[pos + 9 : pos + 9 + n]
+        pos += 9 + n
+    assert pos == len(data)
+
+
+def answers(data: bytes) -> tuple[list[tuple[int, int, int, bytes]], dict[int, int]]:
+    """The frames but WINDOW_UPDATE, in order, and the window returned per stream (the
+    fast path answers before the frame's credit is granted, the protobuf path after: the
+    same frames, WINDOW_UPDATE placed differently)."""
+    out = []
+    credit: dict[int, int] = {}
+    for ftype, flags, sid, payload in frames(data):
+        if ftype == F.WINDOW_UPDATE:
+            credit[sid] = credit.get(sid, 0) + struct.unpack(">I", payload)[0]
+        else:
+            out.append((ftype, flags, sid, payload))
+    return out, credit
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[tuple[asyncio.AbstractEventLoop, App, list[tuple[Any, ...]]]]:
+    """One App (one worker: every answer is the same) on a private loop; its director's
+    response hooks recorded."""
+    loop = asyncio.new_event_loop()
+    app = App(make_config(["127.0.0.1:7001"], extproc={"track_responses": True}))
+    loop.run_until_complete(app.start())
+    calls: list[tuple[Any, ...]] = []
+    d = app.director
+    for name in ("response_started", "response_chunk", "response_ended"):
+        fn = getattr(d, name)
+
+        def rec(*a: Any, _fn: Any = fn, _name: str = name, **k: Any) -> Any:
+            calls.append((_name, a[1:], tuple(sorted(k.items()))))
+            return _fn(*a, **k)
+
+        setattr(d, name, rec)
+    try:
+        yield loop, app, calls
+    finally:
+        loop.run_until_complete(app.stop())
+        loop.close()
+
+
+async def settle(conn: H2Connection) -> None:
+    """Until every handler is parked in read() (or gone) and nothing is left to flush;
+    bounded."""
+    for _ in range(2000):
+        busy = conn.flush_scheduled or any(
+            s.task is not None
+            and not s.task.done()
+            and (s._msgs or s._waiter is None or s._waiter.done())
+            for s in conn.streams.values()
+        )
+        if not busy:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the connection did not settle")
+
+
+def grpc_frames(sid: int, raw: bytes, cuts: list[int]) -> bytes:
+    """One gRPC message as DATA frames cut at `cuts` (offsets into the framed message)."""
+    framed = struct.pack(">BI", 0, len(raw)) + raw
+    points = sorted({c % (len(framed) + 1) for c in cuts} - {0, len(framed)})
+    out = b""
+    prev = 0
+    for p in [*points, len(framed)]:
+        out += F.frame(F.DATA, 0, sid, framed[prev:p])
+        prev = p
+    return out
+
+
+async def exchange(
+    app: App,
+    fast: bool,
+    rid: str,
+    mode: int,
+    msgs: list[bytes],
+    cuts: list[int],
+    reads: list[int],
+    taken: list[bool] | None = None,
+) -> tuple[bytes, bytes]:
+    """One ext_proc stream through a fresh connection: the request (routed), then `msgs`
+    as the response phase, then the end of the stream. Returns (bytes written during the
+    request phase, during the response phase). `taken`: what the fast path answered."""
+    taken = [] if taken is None else taken
+    server = app.extproc_h2
+    assert server is not None
+    conn = H2Connection(server)
+    t = Recorder()
+    conn.connection_made(t)
+    settings_ = F.settings_payload(((F.S_INITIAL_WINDOW_SIZE, 1 << 24),))
+    conn.data_received(F.PREFACE + F.frame(F.SETTINGS, 0, 0, settings_))
+    conn.data_received(F.window_update(0, 1 << 26))
+    block = Encoder().encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", PROCESS_PATH),
+            (":authority", "x"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+    )
+    hm = ep.ProcessingRequest()
+    for k, v in ((":method", "POST"), (":path", "/v1/completions"), ("x-request-id", rid)):
+        hm.request_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    hm.protocol_config.request_body_mode = PM.FULL_DUPLEX_STREAMED
+    hm.protocol_config.response_body_mode = mode  # type: ignore[assignment]
+    bm = ep.ProcessingRequest()
+    bm.request_body.body = b'{"model": "m", "prompt": "hi"}'
+    bm.request_body.end_of_stream = True
+    conn.data_received(F.frame(F.HEADERS, F.END_HEADERS, 1, block))
+    conn.data_received(grpc_frames(1, hm.SerializeToString(), []))
+    await settle(conn)
+    conn.data_received(grpc_frames(1, bm.SerializeToString(), []))
+    await settle(conn)
+    s = conn.streams[1]
+    assert s.fast is not None  # in the response phase: the fast path is installed
+    if not fast:
+        s.on_message(None)
+    else:
+        answer = s.fast
+
+        def counted(raw: bytes) -> bool:
+            took = answer(raw)
+            taken.append(took)
+            return took
+
+        s.fast = counted
+    request_part = bytes(t.out)
+    t.out.clear()
+    parts = [grpc_frames(1, m, cuts[i:] + cuts[:i]) for i, m in enumerate(msgs)]
+    stream = b"".join(parts) + F.frame(F.DATA, F.END_STREAM, 1)
+    points_ = {r % (len(stream) + 1) for r in reads}
+    if not all(parses(m) for m in msgs):
+        # A message protobuf rejects ends the stream at once, dropping what the protobuf
+        # path had queued unanswered from the same read (the fast path had answered it):
+        # such sequences are compared one message per read.
+        ends = 0
+        for part in parts:
+            ends += len(part)
+            points_.add(ends)
+    points = sorted(points_)
+    prev = 0
+    for p in [*points, len(stream)]:
+        if p > prev:
+            conn.data_received(stream[prev:p])
+            prev = p
+            await settle(conn)
+    await settle(conn)
+    tasks = [s.task for s in conn.streams.values() if s.task is not None]
+    conn.connection_lost(None)
+    if tasks:  # their director calls land in this exchange, not the next one
+        await asyncio.wait(tasks, timeout=5)
+    return request_part, bytes(t.out)
+
+
+def resp_headers_raw(status: str, eos: bool, served: str | None) -> bytes:
+    m = ep.ProcessingRequest()
+    for k, v in ((":status", status), ("content-type", "text/event-stream")):
+        m.response_headers.headers.headers.append(base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    m.response_headers.end_of_stream = eos
+    if served is not None:
+        m.metadata_context.filter_metadata["envoy.lb"].fields[P.SERVED_KEY].string_value = served
+    return m.SerializeToString()
+
+
+TRAILERS = _len_field(7, b"")
+
+_chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
+
+
+@settings(max_examples=scaled(60))
+@given(
+    duplex=st.booleans(),
+    headers=st.tuples(st.sampled_from(["200", "500", "x"]), st.booleans(), st.booleans()),
+    chunks=st.lists(_chunk, max_size=5),
+    trailers=st.booleans(),
+    cuts=st.lists(st.integers(0, 400), max_size=3),
+    reads=st.lists(st.integers(0, 5000), max_size=4),
+)
+@example(  # plain streamed response: headers, two chunks, the last with end_of_stream
+    duplex=True,
+    headers=("200", False, False),
+    chunks=[(5, False, "none", b""), (7, True, "none", b"")],
+    trailers=False,
+    cuts=[],
+    reads=[],
+)
+@example(  # empty chunk, metadata on every chunk, unknown fields
+    duplex=True,
+    headers=("200", False, True),
+    chunks=[
+        (0, False, "metadata served", b""),
+        (3, False, "unknown len", b""),
+        (0, True, "none", b""),
+    ],
+    trailers=False,
+    cuts=[],
+    reads=[],
+)
+@example(  # messages split across DATA frames and the frames across reads
+    duplex=True,
+    headers=("200", False, False),
+    chunks=[(300, False, "none", b""), (70_000, True, "none", b"")],
+    trailers=True,
+    cuts=[3, 7, 120],
+    reads=[10, 11, 200, 4000],
+)
+@example(  # a malformed message ends the stream the same way on both
+    duplex=True,
+    headers=("200", False, False),
+    chunks=[(4, False, "metadata malformed", b""), (2, False, "none", b"")],
+    trailers=False,
+    cuts=[],
+    reads=[],
+)
+@example(  # STREAMED / BUFFERED response modes: CONTINUE per chunk; headers ending the response
+    duplex=False,
+    headers=("200", True, False),
+    chunks=[(4, False, "none", b"")],
+    trailers=False,
+    cuts=[],
+    reads=[],
+)
+def test_fast_path_answers_byte_identical_to_protobuf_path(
+    rig: Any,
+    duplex: bool,
+    headers: tuple[str, bool, bool],
+    chunks: list[tuple[int, bool, str, bytes]],
+    trailers: bool,
+    cuts: list[int],
+    reads: list[int],
+) -> None:
+    loop, app, calls = rig
+    status, eos, served = headers
+    msgs = [resp_headers_raw(status, eos, "1.2.3.4:8" if served else None)]
+    msgs += [
+        chunk_raw(_body(n, i), end, extra, inner) for i, (n, end, extra, inner) in enumerate(chunks)
+    ]
+    if trailers:
+        msgs.append(TRAILERS)
+    mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
+    results = []
+    for fast in (True, False):
+        calls.clear()
+        req, resp = loop.run_until_complete(
+            exchange(app, fast, f"r-{fast}", mode, msgs, cuts, reads)
+        )
+        results.append((req, answers(resp), list(calls)))
+    (req_f, (ans_f, credit_f), calls_f), (req_r, (ans_r, credit_r), calls_r) = results
+    assert req_f == req_r
+    assert ans_f == ans_r
+    assert credit_f == credit_r
+    assert calls_f == calls_r
+
+
+@pytest.mark.parametrize("duplex", [True, False])
+def test_plain_response_is_answered_entirely_by_the_fast_path(rig: Any, duplex: bool) -> None:
+    loop, app, calls = rig
+    msgs = [resp_headers_raw("200", False, "1.2.3.4:8")]
+    msgs += [chunk_raw(_body(n, n), False, "metadata served") for n in (0, 10, 40)]
+    msgs.append(TRAILERS)
+    taken: list[bool] = []
+    mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
+    _, resp = loop.run_until_complete(exchange(app, True, "plain", mode, msgs, [5], [], taken))
+    assert taken == [True] * len(msgs)
+    got = [f for f in answers(resp)[0] if f[0] == F.DATA]
+    assert len(got) == len(msgs)
+    assert ep.ProcessingResponse.FromString(got[0][3][5:]).HasField("response_headers")
+    if duplex:
+        sr = ep.ProcessingResponse.FromString(got[-2][3][5:]).response_body.response
+        assert sr.body_mutation.streamed_response.body == _body(40, 40)
+    assert ep.ProcessingResponse.FromString(got[-1][3][5:]).HasField("response_trailers")
+    started = [c for c in calls if c[0] == "response_started"]
+    assert started[-1][1] == (200, "1.2.3.4:8", "text/event-stream", True)
+    assert calls[-1][0] == "response_ended"
