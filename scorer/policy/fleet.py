@@ -5,10 +5,11 @@ prices it); kept outside the block index on purpose (its own small bounded struc
 Expected life of a cached block. A worker's prefix cache is LRU (vLLM's free-block queue
 evicts the least recently freed block first: vllm docs/design/prefix_caching.md,
 vllm/v1/core/kv_cache_utils.py FreeKVCacheBlockQueue; SGLang's radix cache evicts the
-least recently used leaves: python/sglang/srt/mem_cache/radix_cache.py `evict`). Once it is full, every new block written evicts one: the worker's eviction
-rate (what its `BlockRemoved` events count) equals the rate at which new blocks are
-written there. A block last touched `age` seconds ago has had about `age x rate` blocks
-written after it, so it is evicted when that reaches the capacity:
+least recently used leaves: python/sglang/srt/mem_cache/radix_cache.py `evict`). Once it
+is full, every new block written evicts one: the worker's eviction rate (what its
+`BlockRemoved` events count) equals the rate at which new blocks are written there. A
+block last touched `age` seconds ago has had about `age x rate` blocks written after it,
+so it is evicted when that reaches the capacity:
 
     life_s = capacity_blocks / eviction_rate        remaining_s = life_s - age
 
