@@ -6,7 +6,10 @@ A loop of requests through scorer.director.Director exactly as the data path dri
 (new_request → request_received(body) → response_ended), 2 workers, the bodies of
 bench/bench_overhead.py (288-token completions, token ids and text). Cases:
 `round_robin` and `kv`, each with a tokenizer configured (a word-level tokenizer that
-knows the text prompts' words) and without one. Prints µs per request (p50, mean) and
+knows the text prompts' words) and without one. The 64 prompts repeat, so after the
+warm-up the segment cache holds every text prompt: they are tokenized on the event loop
+(scorer.tokens.service.INLINE_BUDGET_S; a prompt never seen would take the thread hop
+unless small). Prints µs per request (p50, mean) and
 the mean of each decision stage; `--profile` adds cProfile's top functions per case.
 Writes bench/out/profile_kv.json.
 """

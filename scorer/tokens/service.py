@@ -76,10 +76,11 @@ _OUTCOME = {o: TOKENIZE_OUTCOMES.labels(o) for o in ("ok", "no_tokenizer", "erro
 
 # Text prompts are tokenized on the event loop when the work is estimated to cost at most
 # INLINE_BUDGET_S: about what handing them to the pool costs (the hop measured ~100-130 µs
-# per request by bench/profile_kv.py). The estimate counts every body byte as a character
-# to encode at the tokenizer's measured typical rate (`LocalTokenizer.encode_ns_per_char`)
-# plus the chat template's render per message. The same bytes at the tokenizer's worst
-# measured rate (random words, nothing cached) must stay within INLINE_MAX_STALL_S: the
+# per request by bench/profile_kv.py). The estimate counts the characters to encode (a
+# completion prompt's pieces the segment cache lacks, else every body byte) at the
+# tokenizer's measured typical rate (`LocalTokenizer.encode_ns_per_char`), plus the chat
+# template's render per message. The same characters at the tokenizer's worst measured
+# rate (random words, nothing cached) must stay within INLINE_MAX_STALL_S: the
 # bound on how long one request may hold the loop, whatever it sends. Bodies over
 # INLINE_MAX_BYTES never run on the loop.
 INLINE_BUDGET_S = 100e-6
@@ -167,8 +168,9 @@ class TokenizedPrompt:
         """The token ids as a list (built on each access; the request path uses `packed`)."""
         return bytes_to_ids(self.packed)
 
-    def __len__(self) -> int:
-        """Prompt tokens."""
+    @property
+    def prompt_tokens(self) -> int:
+        """How many token ids."""
         return len(self.packed) // 4
 
 
@@ -272,7 +274,7 @@ class Tokenization:
                 "lora": tp.lora,
                 "cache_salt": tp.cache_salt,
                 "kind": tp.kind,
-                "prompt_tokens": len(tp),
+                "prompt_tokens": tp.prompt_tokens,
                 "token_ids": tp.token_ids,
                 "block_size": tp.block_size,
                 "namespace": tp.namespace,
@@ -582,7 +584,7 @@ class Tokenization:
         request.token_ids = ids_array(tp.packed)
         request.block_keys = tp.block_keys
         request.block_size = tp.block_size
-        request.prompt_tokens = len(tp)
+        request.prompt_tokens = tp.prompt_tokens
         if request.cache_salt is None:
             request.cache_salt = tp.cache_salt
         if request.lora is None:

@@ -269,12 +269,14 @@ def rig() -> Iterator[tuple[asyncio.AbstractEventLoop, App, list[tuple[Any, ...]
 
 
 async def settle(conn: H2Connection) -> None:
-    """Until every handler is parked in read() (or gone) and nothing is left to flush;
-    bounded."""
+    """Until every handler is parked in read(), waits for the peer's window, or is gone,
+    and nothing is left to flush; bounded."""
     for _ in range(2000):
+        stalled = any(not w.done() for w in conn.window_waiters)  # waits for the peer's window
         busy = conn.flush_scheduled or any(
             s.task is not None
             and not s.task.done()
+            and not stalled
             and (s._msgs or s._waiter is None or s._waiter.done())
             for s in conn.streams.values()
         )
@@ -305,6 +307,7 @@ async def exchange(
     cuts: list[int],
     reads: list[int],
     taken: list[bool] | None = None,
+    window: int = 1 << 24,
 ) -> tuple[bytes, bytes]:
     """One ext_proc stream through a fresh connection: the request (routed), then `msgs`
     as the response phase, then the end of the stream. Returns (bytes written during the
@@ -315,7 +318,7 @@ async def exchange(
     conn = H2Connection(server)
     t = Recorder()
     conn.connection_made(t)
-    settings_ = F.settings_payload(((F.S_INITIAL_WINDOW_SIZE, 1 << 24),))
+    settings_ = F.settings_payload(((F.S_INITIAL_WINDOW_SIZE, window),))
     conn.data_received(F.PREFACE + F.frame(F.SETTINGS, 0, 0, settings_))
     conn.data_received(F.window_update(0, 1 << 26))
     block = Encoder().encode(
@@ -357,6 +360,10 @@ async def exchange(
     request_part = bytes(t.out)
     t.out.clear()
     parts = [grpc_frames(1, m, cuts[i:] + cuts[:i]) for i, m in enumerate(msgs)]
+    if window < 1 << 16:
+        # A small stream window: answers wait for the peer's WINDOW_UPDATEs, sent after
+        # each message (the fast path must step aside and keep the order).
+        parts = [p + F.window_update(1, window // 4) for p in parts]
     stream = b"".join(parts) + F.frame(F.DATA, F.END_STREAM, 1)
     points_ = {r % (len(stream) + 1) for r in reads}
     if not all(parses(m) for m in msgs):
@@ -405,6 +412,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     trailers=st.booleans(),
     cuts=st.lists(st.integers(0, 400), max_size=3),
     reads=st.lists(st.integers(0, 5000), max_size=4),
+    window=st.sampled_from([1 << 24, 1 << 24, 400]),
 )
 @example(  # plain streamed response: headers, two chunks, the last with end_of_stream
     duplex=True,
@@ -413,6 +421,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     trailers=False,
     cuts=[],
     reads=[],
+    window=1 << 24,
 )
 @example(  # empty chunk, metadata on every chunk, unknown fields
     duplex=True,
@@ -425,6 +434,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     trailers=False,
     cuts=[],
     reads=[],
+    window=1 << 24,
 )
 @example(  # messages split across DATA frames and the frames across reads
     duplex=True,
@@ -433,6 +443,16 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     trailers=True,
     cuts=[3, 7, 120],
     reads=[10, 11, 200, 4000],
+    window=1 << 24,
+)
+@example(  # a small stream window: answers wait for WINDOW_UPDATEs, order kept
+    duplex=True,
+    headers=("200", False, False),
+    chunks=[(100, False, "none", b""), (300, False, "none", b""), (5, True, "none", b"")],
+    trailers=True,
+    cuts=[],
+    reads=[],
+    window=400,
 )
 @example(  # a malformed message ends the stream the same way on both
     duplex=True,
@@ -441,6 +461,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     trailers=False,
     cuts=[],
     reads=[],
+    window=1 << 24,
 )
 @example(  # STREAMED / BUFFERED response modes: CONTINUE per chunk; headers ending the response
     duplex=False,
@@ -449,6 +470,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     trailers=False,
     cuts=[],
     reads=[],
+    window=1 << 24,
 )
 def test_fast_path_answers_byte_identical_to_protobuf_path(
     rig: Any,
@@ -458,6 +480,7 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
     trailers: bool,
     cuts: list[int],
     reads: list[int],
+    window: int,
 ) -> None:
     loop, app, calls = rig
     status, eos, served = headers
@@ -472,7 +495,7 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
     for fast in (True, False):
         calls.clear()
         req, resp = loop.run_until_complete(
-            exchange(app, fast, f"r-{fast}", mode, msgs, cuts, reads)
+            exchange(app, fast, f"r-{fast}", mode, msgs, cuts, reads, window=window)
         )
         results.append((req, answers(resp), list(calls)))
     (req_f, (ans_f, credit_f), calls_f), (req_r, (ans_r, credit_r), calls_r) = results
