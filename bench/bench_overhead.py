@@ -1,6 +1,6 @@
 """Overhead side by side: direct, Envoy alone, Envoy + kv-scorer, and the peer routers.
 
-    .venv/bin/python bench/bench_overhead.py               # full run (~15 min on 2 cores)
+    .venv/bin/python bench/bench_overhead.py               # full run (see bench/README.md)
     .venv/bin/python bench/bench_overhead.py --quick       # smoke: 4 paths, c=1/8, 1 repeat
     .venv/bin/python bench/bench_overhead.py --paths direct,envoy,kv-scorer:kv:local
 
@@ -24,9 +24,12 @@ words: the sim's tokenizer and the scorer's stub tokenizer make one token of eac
 8 shared 256-token prefixes + a unique 32-token suffix. Per path x prompt kind x
 concurrency (1, 8, 32): `--repeats` runs of `--seconds` each; p50/p99 latency, requests/s,
 scorer CPU µs per request (utime+stime of the scorer process from /proc/PID/stat), the
-median over repeats and the spread (max - min) of each. Added latency: each repeat of a
-cell first runs the same cell `direct`, and the added p50/p99 is the median over repeats
-of (path - direct), so machine load that moves over minutes cancels. Writes
+median over repeats and the spread (max - min) of each. Against noise: the repeats are
+interleaved across paths (every path once, then every path again: A B C A B C), each
+path started afresh for each repeat; and each repeat of a cell first runs the same cell
+`direct` and on Envoy alone (kept up the whole run, `--baselines`), so the added p50/p99
+are medians over repeats of (path - direct) and (path - Envoy alone) measured seconds
+apart, and `rps_ratio_vs_envoy` the median of path req/s / Envoy-alone req/s. Writes
 bench/out/overhead.json and bench/out/overhead.png.
 """
 
@@ -185,6 +188,18 @@ class TokenizerScorerRun(ScorerRun):
 
 
 @contextlib.contextmanager
+def envoy_alone(fleet: SimFleet) -> Iterator[list[int]]:
+    """Envoy alone in front of the workers (round robin, no ext_proc): its listener port."""
+    from scorer.envoyproc import render_envoy_config
+
+    cfg = render_envoy_config(
+        0, free_port(), 0, direct_backends=[s.endpoint for s in fleet.specs], direct_port=0
+    )
+    with EnvoyProcess(cfg, concurrency=1) as envoy:
+        yield [envoy.listener_ports["direct"]]
+
+
+@contextlib.contextmanager
 def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> Iterator[Target]:
     """Start what `path` needs, yield its Target, stop it."""
     worker_ports = [s.port for s in fleet.specs]
@@ -192,13 +207,8 @@ def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> I
         yield Target(worker_ports)
         return
     if path == "envoy":
-        from scorer.envoyproc import render_envoy_config
-
-        cfg = render_envoy_config(
-            0, free_port(), 0, direct_backends=[s.endpoint for s in fleet.specs], direct_port=0
-        )
-        with EnvoyProcess(cfg, concurrency=1) as envoy:
-            yield Target([envoy.listener_ports["direct"]])
+        with envoy_alone(fleet) as ports:
+            yield Target(ports)
         return
     if path.startswith("kv-scorer:"):
         _, policy, shape = path.split(":", 2)
@@ -239,6 +249,7 @@ def summarize(samples: list[dict[str, Any]], cpu: list[float | None]) -> dict[st
     out: dict[str, Any] = {
         "requests": sum(len(s["lat"]) for s in samples),
         "errors": sum(s["errors"] for s in samples),
+        "repeats": len(samples),
     }
     if not ok:
         out["first_status"] = next((s["first_status"] for s in samples if s["first_status"]), 0)
@@ -259,46 +270,69 @@ def summarize(samples: list[dict[str, Any]], cpu: list[float | None]) -> dict[st
     return out
 
 
-def measure_path(
+class Cell:
+    """One (prompt kind, concurrency) cell of one path, accumulated over the repeats.
+
+    `added[base]` holds, per repeat, (path - base) of p50 and p99 and the ratio of
+    requests/s, where `base` ("direct", "envoy") ran the same cell just before the path."""
+
+    def __init__(self) -> None:
+        self.samples: list[dict[str, Any]] = []
+        self.cpu: list[float | None] = []
+        self.added: dict[str, list[tuple[float, float, float]]] = {}
+
+    def add(self, s: dict[str, Any], cpu: float | None, bases: dict[str, dict[str, Any]]) -> None:
+        self.samples.append(s)
+        self.cpu.append(cpu)
+        if not s["lat"]:
+            return
+        for name, b in bases.items():
+            if b["lat"]:
+                self.added.setdefault(name, []).append(
+                    (
+                        (pct(s["lat"], 0.5) - pct(b["lat"], 0.5)) * 1e3,
+                        (pct(s["lat"], 0.99) - pct(b["lat"], 0.99)) * 1e3,
+                        (len(s["lat"]) / s["wall"]) / (len(b["lat"]) / b["wall"]),
+                    )
+                )
+
+    def result(self) -> dict[str, Any]:
+        """summarize() plus added_p50_ms / added_p99_ms / rps_ratio against each base
+        (suffix `_vs_envoy` for Envoy alone; none for direct), medians over repeats."""
+        out = summarize(self.samples, self.cpu)
+        for name, rows in self.added.items():
+            sfx = "" if name == "direct" else f"_vs_{name}"
+            p50s = [a for a, _, _ in rows]
+            out[f"added_p50_ms{sfx}"] = statistics.median(p50s)
+            out[f"added_p99_ms{sfx}"] = statistics.median(b for _, b, _ in rows)
+            out[f"added_p50_spread_ms{sfx}"] = max(p50s) - min(p50s)
+            out[f"rps_ratio{sfx}"] = statistics.median(c for _, _, c in rows)
+        return out
+
+
+def measure_once(
     target: Target,
     reqs: dict[str, list[bytes]],
     concs: Sequence[int],
-    repeats: int,
     seconds: float,
-    baseline: Sequence[int] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Every cell of one path. With `baseline` (the workers' ports), each repeat first runs
-    the same cell direct, so the added latency compares runs seconds apart (the machine's
-    load moves more than the overhead between paths measured minutes apart)."""
-    cells: dict[str, dict[str, Any]] = {}
+    baselines: dict[str, list[int]],
+    cells: dict[str, Cell],
+) -> None:
+    """One repeat of every cell of one path. Each cell first runs on every baseline
+    (`direct`: the workers' ports, `envoy`: Envoy alone), then on the path, seconds
+    apart, so machine load that moves over minutes cancels out of the added figures."""
     for kind, rs in reqs.items():
         for conc in concs:
-            samples: list[dict[str, Any]] = []
-            cpu: list[float | None] = []
-            added: list[tuple[float, float]] = []
-            for _ in range(repeats):
-                b = asyncio.run(run_cell(baseline, rs, conc, seconds)) if baseline else None
-                c0 = cpu_seconds(target.scorer_pid) if target.scorer_pid else None
-                s = asyncio.run(run_cell(target.ports, rs, conc, seconds))
-                samples.append(s)
-                if c0 is not None and target.scorer_pid and s["lat"]:
-                    cpu.append((cpu_seconds(target.scorer_pid) - c0) / len(s["lat"]) * 1e6)
-                if not s["lat"]:
-                    break  # every request failed (e.g. a router that rejects the prompt)
-                if b is not None and b["lat"]:
-                    added.append(
-                        (
-                            (pct(s["lat"], 0.5) - pct(b["lat"], 0.5)) * 1e3,
-                            (pct(s["lat"], 0.99) - pct(b["lat"], 0.99)) * 1e3,
-                        )
-                    )
-            cell = summarize(samples, cpu)
-            if added:
-                cell["added_p50_ms"] = statistics.median(a for a, _ in added)
-                cell["added_p99_ms"] = statistics.median(a for _, a in added)
-                cell["added_p50_spread_ms"] = max(a for a, _ in added) - min(a for a, _ in added)
-            cells[f"{kind}/c{conc}"] = cell
-    return cells
+            bases = {
+                name: asyncio.run(run_cell(ports, rs, conc, seconds))
+                for name, ports in baselines.items()
+            }
+            c0 = cpu_seconds(target.scorer_pid) if target.scorer_pid else None
+            s = asyncio.run(run_cell(target.ports, rs, conc, seconds))
+            cpu = None
+            if c0 is not None and target.scorer_pid and s["lat"]:
+                cpu = (cpu_seconds(target.scorer_pid) - c0) / len(s["lat"]) * 1e6
+            cells.setdefault(f"{kind}/c{conc}", Cell()).add(s, cpu, bases)
 
 
 def add_deltas(results: dict[str, Any]) -> None:
@@ -313,10 +347,14 @@ def add_deltas(results: dict[str, Any]) -> None:
 
 
 def print_table(results: dict[str, Any], concs: Sequence[int], log: Callable[[str], None]) -> None:
+    """One line per path x prompt kind x concurrency: medians, spreads, added latency."""
     log(
         f"{'path':<40} {'prompt':>6} {'conc':>4} | {'p50 ms':>7} {'±':>5} {'p99 ms':>7} | "
-        f"{'added p50':>9} {'p99':>7} | {'req/s':>7} {'±':>5} | {'CPU µs/req':>10}"
+        f"{'+p50 vs':>7} {'±':>5} {'+p50 vs':>7} {'+p99':>7} | {'req/s':>7} {'±':>5} "
+        f"{'/envoy':>6} | {'CPU µs/req':>10}"
     )
+    log(f"{'':<40} {'':>6} {'':>4} | {'':>7} {'':>5} {'':>7} | {'envoy':>7} {'':>5} "
+        f"{'direct':>7} {'direct':>7} | {'':>7} {'':>5} {'':>6} |")  # fmt: skip
     for path, res in results.items():
         if "error" in res:
             log(f"{path:<40} {res['error']}")
@@ -329,11 +367,18 @@ def print_table(results: dict[str, Any], concs: Sequence[int], log: Callable[[st
                 continue
             cpu = c.get("scorer_cpu_us_per_req")
             cpu_s = "" if cpu is None else f"{cpu:.0f} ±{c['scorer_cpu_spread_us']:.0f}"
+            ve = c.get("added_p50_ms_vs_envoy")
+            ve_s = "-" if ve is None else f"{ve:.2f}"
+            ve_sp = c.get("added_p50_spread_ms_vs_envoy")
+            ve_sp_s = "" if ve_sp is None else f"{ve_sp:.2f}"
+            ratio = c.get("rps_ratio_vs_envoy")
+            ratio_s = "-" if ratio is None else f"{ratio:.2f}"
             log(
                 f"{path:<40} {kind:>6} {conc[1:]:>4} | {c['p50_ms']:>7.2f} "
                 f"{c['p50_spread_ms']:>5.2f} {c['p99_ms']:>7.2f} | "
-                f"{c.get('added_p50_ms', 0.0):>9.2f} {c.get('added_p99_ms', 0.0):>7.2f} | "
-                f"{c['rps']:>7.0f} {c['rps_spread']:>5.0f} | "
+                f"{ve_s:>7} {ve_sp_s:>5} "
+                f"{c.get('added_p50_ms', 0.0):>7.2f} {c.get('added_p99_ms', 0.0):>7.2f} | "
+                f"{c['rps']:>7.0f} {c['rps_spread']:>5.0f} {ratio_s:>6} | "
                 f"{cpu_s:>10}"
             )
 
@@ -348,14 +393,18 @@ def plot(results: dict[str, Any], out: Path) -> Path | None:
     except ImportError:
         return None
     names = [p for p, r in results.items() if "cells" in r and p != "direct"]
-    fig, axes = plt.subplots(1, 2, figsize=(14, max(4, 0.32 * len(names) + 1.5)))
-    panels = (("c1", "added p50 over direct at c=1 (ms)"), ("c8", "requests/s at c=8"))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    fig, axes = plt.subplots(1, 3, figsize=(20, max(4, 0.32 * len(names) + 1.5)))
+    panels = (
+        ("c1", "added_p50_ms_vs_envoy", "added p50 over Envoy alone at c=1 (ms)"),
+        ("c1", "added_p50_ms", "added p50 over direct at c=1 (ms)"),
+        ("c8", "rps", "requests/s at c=8"),
+    )
+    for ax, (key, field, label) in zip(axes, panels, strict=True):
         for j, kind in enumerate(KINDS):
             vals = []
             for n in names:
                 c = results[n]["cells"].get(f"{kind}/{key}", {})
-                vals.append(c.get("added_p50_ms" if key == "c1" else "rps", 0.0) or 0.0)
+                vals.append(c.get(field, 0.0) or 0.0)
             ys = [i + (j - 0.5) * 0.4 for i in range(len(names))]
             ax.barh(ys, vals, height=0.4, label=f"{kind} prompt")
         ax.set_yticks(range(len(names)), names, fontsize=7)
@@ -375,7 +424,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=1.0, help="per repeat of a cell")
     ap.add_argument("--max-tokens", type=int, default=512)
-    ap.add_argument("--speed", type=float, default=1000.0, help="the sims' --speed")
+    ap.add_argument(
+        "--speed",
+        type=float,
+        default=1e6,
+        help="the sims' --speed (default 1e6: no model time, see the module docstring)",
+    )
+    ap.add_argument(
+        "--baselines",
+        default="direct,envoy",
+        help="run before every cell of every path: direct, and Envoy alone (added latency "
+        "is reported against each; `direct` only halves the run time)",
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 paths, c=1,8, 1 repeat")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "overhead.json"))
     args = ap.parse_args(argv)
@@ -396,7 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     ids = prompts(64)
     reqs = {k: [request_bytes(p, k, args.max_tokens) for p in ids] for k in KINDS}
-    results: dict[str, Any] = {}
+    baselines_wanted = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if not set(baselines_wanted) <= {"direct", "envoy"} or "direct" not in baselines_wanted:
+        ap.error("--baselines: direct, or direct,envoy")
     load = os.getloadavg()[0]
     print(
         f"{os.cpu_count()} cores, load average {load:.1f}; {len(paths)} paths; "
@@ -404,27 +466,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     group = ProcGroup(run_dir)
+    cells: dict[str, dict[str, Cell]] = {p: {} for p in paths}
+    errors: dict[str, str] = {}
+    took: dict[str, float] = {}
     try:
         fleet = SimFleet(
             group,
             E2ESettings(workers=2, block_size=16, speed=args.speed, capacity_blocks=None),
         )
         fleet.start()
-        for path in paths:
-            t0 = time.monotonic()
-            try:
-                with start_path(path, group, fleet, run_dir) as target:
-                    base = [sp.port for sp in fleet.specs] if path != "direct" else None
-                    cells = measure_path(target, reqs, concs, args.repeats, args.seconds, base)
-                results[path] = {"cells": cells}
-            except peer_mod.PeerError as e:
-                msg = str(e)
-                results[path] = {
-                    "error": "not installed" if "not installed" in msg else msg.splitlines()[0]
-                }
-            print(f"  {path}: {time.monotonic() - t0:.0f}s", flush=True)
+        with contextlib.ExitStack() as stack:
+            # Envoy alone stays up the whole run (idle between its cells: a static cluster,
+            # no health checks) as the second baseline of every cell.
+            baselines = {"direct": [sp.port for sp in fleet.specs]}
+            if "envoy" in baselines_wanted:
+                baselines["envoy"] = stack.enter_context(envoy_alone(fleet))
+            # Repeats interleaved across paths (A B C A B C ...): a path's repeats are
+            # minutes apart, so a slow change in the machine's load spreads over all paths.
+            for rep in range(args.repeats):
+                for path in paths:
+                    if path in errors:
+                        continue
+                    t0 = time.monotonic()
+                    # A baseline is not run next to itself; `direct` has none.
+                    bases = {} if path == "direct" else dict(baselines)
+                    bases.pop(path, None)
+                    try:
+                        running = (
+                            contextlib.nullcontext(Target(baselines["envoy"]))
+                            if path == "envoy" and "envoy" in baselines
+                            else start_path(path, group, fleet, run_dir)
+                        )
+                        with running as target:
+                            measure_once(target, reqs, concs, args.seconds, bases, cells[path])
+                    except peer_mod.PeerError as e:
+                        msg = str(e)
+                        errors[path] = (
+                            "not installed" if "not installed" in msg else msg.splitlines()[0]
+                        )
+                    took[path] = took.get(path, 0.0) + time.monotonic() - t0
+                    print(
+                        f"  [{rep + 1}/{args.repeats}] {path}: {time.monotonic() - t0:.0f}s",
+                        flush=True,
+                    )
     finally:
         group.stop_all()
+    results: dict[str, Any] = {}
+    for path in paths:
+        if path in errors:
+            results[path] = {"error": errors[path]}
+        else:
+            cs = cells[path]
+            results[path] = {
+                "cells": {k: c.result() for k, c in cs.items()},
+                "wall_s": round(took.get(path, 0.0), 1),
+            }
     add_deltas(results)
     print_table(results, concs, print)
     doc = {
@@ -438,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_tokens": args.max_tokens,
             "sim_speed": args.speed,
             "prompt_tokens": PREFIX_LEN + SUFFIX_LEN,
+            "baselines": baselines_wanted,
+            "order": "repeats interleaved across paths; baselines adjacent to every cell",
         },
         "results": results,
     }

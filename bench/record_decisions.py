@@ -7,6 +7,8 @@ checked by hand after a change that must not move decisions:
 
     python bench/record_decisions.py --set full --check   # compare with the recording
     python bench/record_decisions.py --set full            # (re)write the recording
+    python bench/record_decisions.py --set full --policies kv   # re-record kv only,
+                                                    # keeping the others' recording
 
 Recordings: tests/fixtures/decisions/<set>.json.gz (one line per decision,
 "<worker index> <reason> <notes>", in arrival order).
@@ -128,14 +130,35 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=sorted(SETS), default="reduced")
     ap.add_argument("--check", action="store_true", help="compare with the recording")
+    ap.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated policies to replay (default: all); when writing, the other "
+        "policies' recorded decisions are kept as they are",
+    )
     args = ap.parse_args(argv)
-    got = record(args.set)
+    policies = tuple(p for p in args.policies.split(",") if p)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        ap.error(f"unknown policies: {', '.join(unknown)}")
+    got = record(args.set, policies)
     if args.check:
-        problems = diff(load(args.set), got)
+        expected = load(args.set)
+        for exp in expected["workloads"].values():
+            exp["decisions"] = {p: r for p, r in exp["decisions"].items() if p in policies}
+        problems = diff(expected, got)
         for line in problems:
             print(line)
         print("identical" if not problems else f"{len(problems)} difference(s)")
         return 1 if problems else 0
+    if set(policies) != set(POLICIES):
+        # Keep the other policies' recorded decisions, in the usual policy order.
+        kept = load(args.set)
+        for wl_name, g in got["workloads"].items():
+            old = kept["workloads"][wl_name]["decisions"]
+            g["decisions"] = {
+                p: g["decisions"][p] if p in policies else old[p] for p in POLICIES if p in old
+            }
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     # mtime=0: the same decisions give the same bytes.
     with gzip.GzipFile(path_of(args.set), "wb", mtime=0) as f:

@@ -191,6 +191,8 @@ class Director:
         # Prefill end of requests the response will not tell about in time (non-streaming,
         # or streams whose body Envoy does not send): (deadline, request id), a heap.
         self.prefill = PrefillModel()
+        # The cost's predicted TTFT reads the same fitted model (scorer.policy.cost).
+        policy.ctx.parts.prefill = self.prefill
         self.clock: Callable[[], float] = time.perf_counter
         self._prefill_due: list[tuple[float, str]] = []
         # Requests with a body still prefilling, per endpoint, oldest first; and the scrape

@@ -97,6 +97,9 @@ class CandidateScore:
     # Blocks of the best candidate's cached prefix this one would write a second time
     # (the cost's duplicate_cost term; 0 when that term is off).
     duplicate_blocks: float = 0.0
+    # The cost's fleet terms (scorer.policy.cost.CandidateTerms: predicted TTFT, block
+    # life, previous turn), when the cost computed them.
+    terms: Any = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (used by /debug/decisions and the Score RPC)."""
@@ -116,7 +119,13 @@ class CandidateScore:
             "filtered": self.filtered,
             "note": self.note,
             "duplicate_blocks": round(self.duplicate_blocks, 2),
+            **self._terms(),
         }
+
+    def _terms(self) -> dict[str, Any]:
+        # The cost's fleet terms, under one key, only when the cost computed them.
+        t = self.terms
+        return {} if t is None else {"terms": t.as_dict()}
 
 
 @dataclass(slots=True)

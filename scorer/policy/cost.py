@@ -56,6 +56,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -104,6 +105,30 @@ class CostModelOptions(PolicyOptions):
     # Cost per block of the best candidate's cached prefix that another candidate would
     # write a second time (module doc, "Duplicate cost"). 0: off.
     duplicate_cost: float = Field(0.0, ge=0)
+    # The cost's unit: "blocks" (Dynamo's) or "ms" (predicted time to first token plus the
+    # fleet terms converted to ms; module doc, "Predicted TTFT").
+    unit: Literal["blocks", "ms"] = "blocks"
+    # ms mode: ms one block of the running batch adds (the batch the request joins).
+    # None: the fitted prefill ms per block / prefill_load_scale (Dynamo's ratio).
+    decode_ms_per_block: float | None = Field(None, ge=0)
+    # Expected block life (module doc, "Block life"): a cached chain about to be evicted
+    # is worth less. Off: every cached block counts fully.
+    block_life: bool = False
+    # Time constant (s) of the smoothed per-worker eviction rate.
+    life_window_s: float = Field(60.0, gt=0)
+    # A chain is worth its full credit while more than this fraction of the worker's
+    # block life is left when the request reaches it, then linearly less down to 0.
+    life_fade: float = Field(0.25, ge=0, le=1)
+    # Conversation continuity: the previous turn's worker is kept unless another costs
+    # less than (1 - continuity) x its cost. 0: off.
+    continuity: float = Field(0.0, ge=0, lt=1)
+    # Without a session id, the previous turn's worker is the one with the longest cached
+    # prefix when that covers at least this fraction of the prompt.
+    continuity_min_match: float = Field(0.5, ge=0, le=1)
+    # A request opening a new session: cost x (1 + session_spread x excess), excess the
+    # worker's live sessions above the fewest, in units of max(fewest, 1) (module doc,
+    # "Session spread"). 0: off.
+    session_spread: float = Field(0.0, ge=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -202,6 +227,47 @@ def load_table(
 CostRow = tuple[MatchLike, float, float, bool]
 
 
+@dataclass(slots=True)
+class FleetInputs:
+    """What the fleet terms read for one decision (built by the scorer from its state).
+
+    `life`: per candidate index with a cached prefix, (worth factor 0..1, block life s,
+    chain age s) — absent: full worth. `previous`: candidate index of the previous turn's
+    worker (None: unknown or not eligible). `prefill_ms`: predicted prefill ms of a number
+    of uncached tokens (the fitted model); `ms_per_block`: its marginal ms per block.
+    """
+
+    prefill_ms: Callable[[float], float]
+    ms_per_block: float
+    block_size: int
+    life: dict[int, tuple[float, float | None, float | None]]
+    previous: int | None = None
+    # Live sessions per eligible candidate (parallel to eligible) when the request opens a
+    # new session and session_spread is on; else None.
+    sessions: list[int] | None = None
+
+
+@dataclass(slots=True)
+class CandidateTerms:
+    """One candidate's fleet terms, for its explanation row."""
+
+    predicted_ttft_ms: float = 0.0
+    life_factor: float = 1.0
+    block_life_s: float | None = None
+    chain_age_s: float | None = None
+    previous_turn: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view (a candidate row's `terms` in /debug/decisions)."""
+        return {
+            "predicted_ttft_ms": round(self.predicted_ttft_ms, 1),
+            "life_factor": round(self.life_factor, 3),
+            "block_life_s": None if self.block_life_s is None else round(self.block_life_s, 1),
+            "chain_age_s": None if self.chain_age_s is None else round(self.chain_age_s, 1),
+            "previous_turn": self.previous_turn,
+        }
+
+
 def dynamo_costs(
     candidates: Sequence[Worker],
     eligible: Sequence[int],
@@ -211,6 +277,8 @@ def dynamo_costs(
     opts: CostModelOptions,
     stale: Callable[[Worker], bool] | None = None,
     duplicate_out: dict[int, float] | None = None,
+    fleet: FleetInputs | None = None,
+    terms_out: dict[int, CandidateTerms] | None = None,
 ) -> tuple[list[float], dict[int, CostRow], bool]:
     """THE cost function (module doc), for each eligible candidate in order.
 
@@ -218,7 +286,9 @@ def dynamo_costs(
     numbers its explanation row shows, and whether any credit was cut for staleness.
     `stale(w)` says whether w's cache signal is to be trusted less (a silent or gapped
     event stream). With `duplicate_cost` > 0, `duplicate_out` (when given) receives each
-    eligible candidate's duplicated blocks (for its explanation row).
+    eligible candidate's duplicated blocks (for its explanation row). `fleet` feeds the
+    block-life, predicted-TTFT and continuity terms; `terms_out` receives them per
+    eligible candidate.
     """
     pfs, dcs = table.prefill, table.decode
     load_min = min([pfs[i] + dcs[i] for i in eligible])
@@ -231,9 +301,12 @@ def dynamo_costs(
     rows: dict[int, CostRow] = {}
     stale_any = False
     add = costs.append
+    life = fleet.life if fleet is not None else None
+    uncached: list[float] = []
     for i in eligible:
         dc = dcs[i]
         p = pfs[i] + request_blocks
+        u = request_blocks
         m = matches.get(candidates[i].endpoint) if matches else None
         if m is not None:
             total = pfs[i] + dc
@@ -246,6 +319,10 @@ def dynamo_costs(
             if is_stale:
                 credit *= stale_credit
                 stale_any = True
+            if life:
+                got = life.get(i)
+                if got is not None:
+                    credit *= got[0]
             if mcredit is None:
                 weighted = float(m.weighted)
             else:
@@ -253,19 +330,92 @@ def dynamo_costs(
                 weighted = sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
             rows[i] = (m, weighted, credit, is_stale)
             p -= credit * weighted
+            u = max(request_blocks - credit * weighted, 0.0)
+        uncached.append(u)
         add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
     dup = opts.duplicate_cost
-    if dup > 0.0 and rows:
+    dup_cost = [0.0] * len(costs)
+    # A request opening a new session continues no conversation: the prefix it shares (a
+    # system prompt) is worth replicating, and where it lands is session_spread's call.
+    if dup > 0.0 and rows and (fleet is None or fleet.sessions is None):
         # A stale stream's blocks may be gone: they count with stale_credit here too.
         held = {i: r[1] * (stale_credit if r[3] else 1.0) for i, r in rows.items()}
         best = max(held.values())
         for k, i in enumerate(eligible):
             extra = best - held.get(i, 0.0)
             if extra > 0.0:
-                costs[k] += dup * extra
+                dup_cost[k] = dup * extra
+                costs[k] += dup_cost[k]
             if duplicate_out is not None:
                 duplicate_out[i] = extra
+    if fleet is not None:
+        _fleet_terms(
+            costs, eligible, pfs, dcs, uncached, dup_cost, request_blocks, opts, fleet, terms_out
+        )
     return costs, rows, stale_any
+
+
+def _fleet_terms(
+    costs: list[float],
+    eligible: Sequence[int],
+    pfs: Sequence[float],
+    dcs: Sequence[float],
+    uncached: Sequence[float],
+    dup_cost: Sequence[float],
+    request_blocks: float,
+    opts: CostModelOptions,
+    fleet: FleetInputs,
+    terms_out: dict[int, CandidateTerms] | None,
+) -> None:
+    """Predicted TTFT (and the ms unit) and conversation continuity, in place."""
+    bs = fleet.block_size
+    est = fleet.prefill_ms
+    ms_mode = opts.unit == "ms"
+    pls = opts.prefill_load_scale
+    # One cost block (a decode block; a prefill block is pls of them) in ms.
+    per_block = fleet.ms_per_block / pls if pls > 0.0 else fleet.ms_per_block
+    dms = opts.decode_ms_per_block
+    if dms is None:
+        dms = per_block
+    for k, i in enumerate(eligible):
+        # Queue ahead (the prefill of what is routed there and not yet started) plus this
+        # request's uncached tokens, through the fitted prefill model.
+        ttft = est((pfs[i] + uncached[k]) * bs)
+        if ms_mode:
+            # + the batch it joins (the decode blocks running there: Dynamo's decode
+            # term) + the duplicate term, both converted to ms.
+            costs[k] = ttft + dms * (dcs[i] + request_blocks) + per_block * dup_cost[k]
+        if terms_out is not None:
+            t = terms_out.get(i)
+            if t is None:
+                t = terms_out[i] = CandidateTerms()
+            t.predicted_ttft_ms = ttft
+    prev = fleet.previous
+    c = opts.continuity
+    if prev is not None and c > 0.0:
+        for k, i in enumerate(eligible):
+            if i == prev:
+                costs[k] *= 1.0 - c
+                if terms_out is not None:
+                    t = terms_out.get(i)
+                    if t is None:
+                        t = terms_out[i] = CandidateTerms()
+                    t.previous_turn = True
+                break
+    live = fleet.sessions
+    spread = opts.session_spread
+    if live is not None and spread > 0.0:
+        lo = min(live)
+        unit = max(lo, 1)
+        for k in range(len(eligible)):
+            if live[k] > lo:
+                costs[k] *= 1.0 + spread * (live[k] - lo) / unit
+    if terms_out is not None and fleet.life:
+        for i, (f, life_s, age_s) in fleet.life.items():
+            t = terms_out.get(i)
+            if t is None:
+                t = terms_out[i] = CandidateTerms()
+            t.life_factor, t.block_life_s, t.chain_age_s = f, life_s, age_s
 
 
 def pick(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from scorer.blocks import BlockHasher
+    from scorer.pool.prefill import PrefillModel
     from scorer.pool.scrape import LoadScraper
     from scorer.tokens.service import Tokenization
 
@@ -67,3 +68,5 @@ class Parts:
     tokens: Tokenization | None = None  # tokenizers (scorer.tokens)
     hasher: BlockHasher | None = None  # the one hash space (scorer.blocks)
     scrape: LoadScraper | None = None  # scraped engine metrics (scorer.pool.scrape)
+    # The data path's fitted prefill-time model (scorer.pool.prefill; set by the director).
+    prefill: PrefillModel | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
-from scorer.policy.cost import BusyOptions, CostRow, LoadTable, load_table
+from scorer.policy.cost import BusyOptions, CandidateTerms, CostRow, LoadTable, load_table
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.routing import Reason, RoutingRequest
 
@@ -64,6 +64,9 @@ class Cycle:
     # Blocks of the best cached prefix each candidate would write again (dynamo_cost's
     # duplicate_cost term, when on), for the explanation rows.
     duplicate_blocks: dict[int, float] = field(default_factory=dict)
+    # Per candidate index: predicted TTFT, block life, continuity (dynamo_cost's fleet
+    # terms), for the explanation rows.
+    fleet_terms: dict[int, CandidateTerms] = field(default_factory=dict)
     _load: LoadTable | None = None
     _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
 

@@ -323,4 +323,6 @@ class Profile(Policy):
         if cycle.duplicate_blocks:
             for i, extra in cycle.duplicate_blocks.items():
                 rows[i].duplicate_blocks = extra
+        for i, t in cycle.fleet_terms.items():
+            rows[i].terms = t
         return rows

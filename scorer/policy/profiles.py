@@ -32,7 +32,18 @@ from scorer.policy.scorers.inflight import Inflight
 
 
 class KvOptions(CostOptions):
-    """`policies.kv`: the cost options plus event-stream health."""
+    """`policies.kv`: the cost options plus event-stream health.
+
+    `kv`'s defaults for the fleet terms were set on the replay benchmarks (1,000 blocks
+    per worker, every workload; bench/routing/results.md, 2026-11-24 "fleet terms"):
+    `approx` keeps the plain cost (its index guesses what is cached; its recorded
+    decisions are unchanged).
+    """
+
+    credit_decay: float = Field(0.05, ge=0)
+    duplicate_cost: float = Field(12.0, ge=0)
+    continuity: float = Field(0.6, ge=0, lt=1)
+    session_spread: float = Field(1.0, ge=0)
 
     # A stream that has been silent since a request was routed to its worker gets its
     # credit cut only once that request is older than this (its events had time to come).
@@ -55,7 +66,8 @@ class SimpleOptions(PolicyOptions):
 _BUSY = tuple(BusyOptions.model_fields)
 _COST = (
     "prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "duplicate_cost",
-    "speculative",
+    "speculative", "unit", "decode_ms_per_block", "block_life", "life_window_s", "life_fade",
+    "continuity", "continuity_min_match", "session_spread",
 )  # fmt: skip
 
 

@@ -35,3 +35,26 @@ def test_sim_that_lost_its_port_is_restarted_on_fresh_ports(
     finally:
         group.stop_all()
         taken.close()
+
+
+def test_sim_that_lost_its_event_port_is_restarted_on_fresh_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ZMQ events port is taken: the sim may stay up without its event socket; the
+    # fleet must notice from its log (not wait out the timeout) and start it elsewhere.
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks: Iterator[int] = iter([free_port(), taken.getsockname()[1]])
+    monkeypatch.setattr(fleet_mod, "free_port", lambda: next(picks, None) or free_port())
+    group = ProcGroup(tmp_path / "logs")
+    settings = E2ESettings(workers=1, capacity_blocks=64, block_size=16, run_dir=tmp_path)
+    fleet = SimFleet(group, settings)
+    try:
+        fleet.start(timeout_s=60.0)
+        assert fleet.specs[0].events_port != taken.getsockname()[1]
+        assert fleet.procs[0].name == "sim0-retry1" and fleet.procs[0].alive()
+        assert len([p for p in group.procs if p.alive()]) == 1  # the first one stopped
+    finally:
+        group.stop_all()
+        taken.close()

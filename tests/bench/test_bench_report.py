@@ -55,6 +55,7 @@ def test_metric_sums_reads_vllm_counters() -> None:
 
 def test_summarize_uses_counter_deltas_and_model_time() -> None:
     res = LoadResult(ttft_s=[0.01, 0.02, 0.03], errors=1, done=3, t_start=0.0, t_end=2.0)
+    res.send_lag_s = [0.0, 0.001, 0.002]
     before = [(100.0, 10.0), (100.0, 0.0)]
     after = [(400.0, 160.0), (200.0, 50.0)]
     out = summarize(res, before, after, speed=10.0, requests=4)
@@ -63,6 +64,7 @@ def test_summarize_uses_counter_deltas_and_model_time() -> None:
     assert out["ttft_p50_ms"] == 200.0  # 20 ms wall x speed 10
     assert out["throughput_rps"] == 0.15  # 3 done in 2 s wall = 20 s model
     assert out["requests"] == 4 and out["errors"] == 1
+    assert out["send_lag_p99_ms"] == 19.8  # p99 of (0, 1, 2) ms late = 1.98 ms, x speed 10
 
 
 def test_counter_totals_sums_a_labelled_counter_by_the_chosen_labels() -> None:

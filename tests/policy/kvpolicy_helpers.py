@@ -37,6 +37,12 @@ def endpoint(i: int) -> str:
     return f"10.0.0.{i + 1}:8000"
 
 
+# `kv`'s fleet terms off (the plain Dynamo cost, as `approx` has it): the worked examples
+# of the cost function assume it. Tests of the fleet terms set them explicitly
+# (test_policy_fleet_terms.py); `make(..., plain=False)` keeps kv's shipped defaults.
+PLAIN_KV = {"credit_decay": 0.1, "duplicate_cost": 0.0, "continuity": 0.0, "session_spread": 0.0}
+
+
 def make(
     n: int,
     policy: str = "kv",
@@ -44,9 +50,13 @@ def make(
     seed: int = 7,
     events: bool = False,
     policies: dict[str, dict[str, Any]] | None = None,
+    plain: bool = True,
     **config: Any,
 ) -> Setup:
-    """`n` workers, a real BlockIndex, and the named policy with `options`."""
+    """`n` workers, a real BlockIndex, and the named policy with `options` (for `kv`,
+    over PLAIN_KV unless `plain` is False)."""
+    if policy == "kv" and plain:
+        options = {**PLAIN_KV, **(options or {})}
     workers = []
     for i in range(n):
         w: dict[str, Any] = {"endpoint": endpoint(i)}

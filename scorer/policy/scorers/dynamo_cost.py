@@ -10,15 +10,17 @@ are inserted into the index speculatively (events) or all its blocks remembered 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from scorer.policy.approx_index import ApproxIndex
-from scorer.policy.cost import CostModelOptions, dynamo_costs
-from scorer.policy.parts import IndexLike
+from scorer.policy.cost import CostModelOptions, FleetInputs, dynamo_costs
+from scorer.policy.fleet import CacheLife, Sessions, life_factor
+from scorer.policy.parts import IndexLike, MatchLike
 from scorer.policy.plugin import Cycle, Scorer, plugin
+from scorer.pool.prefill import PrefillModel
 
 if TYPE_CHECKING:
     from scorer.policy.base import PolicyContext
@@ -57,6 +59,13 @@ class DynamoCost(Scorer):
         #              the time of that first routing): "served while silent".
         self._routed_since: dict[str, tuple[float | None, float]] = {}
         self.approx: ApproxIndex | None = None
+        # Fleet terms' state (scorer.policy.fleet): block life and chain ages, sessions'
+        # previous workers; the prefill model used until the director shares its fitted one.
+        self.life = CacheLife(options.life_window_s) if options.block_life else None
+        sessions = options.continuity > 0.0 or options.session_spread > 0.0
+        self.sessions = Sessions() if sessions else None
+        self._model = PrefillModel()
+        self._fleet_on = options.unit == "ms" or options.block_life or sessions
         if options.source == "decisions":
             self.approx = ApproxIndex(options.ttl_s, options.max_keys, clock)
 
@@ -79,19 +88,89 @@ class DynamoCost(Scorer):
             def stale(w: Worker) -> bool:
                 return self.stream_stale(w, now)
 
+        matches = cycle.matches(self.index())
         costs, rows, stale_any = dynamo_costs(
             cycle.candidates,
             cycle.eligible,
             cycle.load,
-            cycle.matches(self.index()),
+            matches,
             cycle.request_blocks,
             self.options,
             stale,
             cycle.duplicate_blocks,
+            self.fleet(cycle, matches) if self._fleet_on else None,
+            cycle.fleet_terms,
         )
         cycle.cost_rows = rows
         cycle.stale_any = stale_any
         return costs
+
+    def fleet(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> FleetInputs:
+        """This decision's inputs of the fleet terms (scorer.policy.cost.FleetInputs)."""
+        o = self.options
+        model = self.ctx.parts.prefill or self._model
+        bs = cycle.block_size
+
+        def prefill_ms(tokens: float) -> float:
+            return 1000.0 * model.estimate(tokens)
+
+        now = cycle.now
+        cands = cycle.candidates
+        keys = cycle.request.block_keys
+        life: dict[int, tuple[float, float | None, float | None]] = {}
+        cl = self.life
+        if cl is not None and matches and keys:
+            pfs = cycle.load.prefill
+            for i in cycle.eligible:
+                w = cands[i]
+                m = matches.get(w.endpoint)
+                if m is None or m.blocks <= 0:
+                    continue
+                life_s = cl.life_s(w.endpoint, float(w.scraped.num_gpu_blocks or 0), now)
+                if life_s is None:
+                    continue
+                age = cl.age_s(w.endpoint, keys, m.blocks, now)
+                f = 1.0
+                if age is not None:
+                    wait = model.estimate(pfs[i] * bs) if pfs[i] > 0.0 else 0.0
+                    f = life_factor(life_s - age, wait, life_s, o.life_fade)
+                life[i] = (f, life_s, age)
+        previous: int | None = None
+        if o.continuity > 0.0:
+            previous = self._previous(cycle, matches)
+        live: list[int] | None = None
+        ss = self.sessions
+        sid = cycle.request.session_id
+        if ss is not None and sid and o.session_spread > 0.0 and ss.get(sid, now) is None:
+            live = [ss.live(cands[i].endpoint) for i in cycle.eligible]
+        return FleetInputs(prefill_ms, 1000.0 * model.b * bs, bs, life, previous, live)
+
+    def _previous(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> int | None:
+        """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible."""
+        cands = cycle.candidates
+        sid = cycle.request.session_id
+        if sid and self.sessions is not None:
+            # A session names its previous turn; a new one has none (its prefix may be a
+            # system prompt shared with other sessions, not a previous turn).
+            ep = self.sessions.get(sid, cycle.now)
+            if ep is None:
+                return None
+            return next((i for i in cycle.eligible if cands[i].endpoint == ep), None)
+        keys = cycle.request.block_keys
+        if not matches or not keys:
+            return None
+        best, at, n = 0, None, 0
+        for i in cycle.eligible:
+            m = matches.get(cands[i].endpoint)
+            b = 0 if m is None else m.blocks
+            if b > best:
+                best, at, n = b, i, 1
+            elif b == best and b > 0:
+                n += 1
+        # A prefix held by several workers (a shared system prompt) names no one turn.
+        if at is None or n > 1 or best < self.options.continuity_min_match * len(keys):
+            return None
+        return at
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
@@ -115,7 +194,12 @@ class DynamoCost(Scorer):
 
     def commit(self, cycle: Cycle, winner: int) -> None:
         keys = cycle.request.block_keys
-        ep = cycle.candidates[winner].endpoint
+        w = cycle.candidates[winner]
+        ep = w.endpoint
+        if self.sessions is not None and cycle.request.session_id:
+            self.sessions.put(cycle.request.session_id, ep, cycle.now)
+        if self.life is not None and keys:
+            self._record_life(cycle, w, keys)
         if self.approx is not None:
             # All keys, also the matched ones: the winner just used them, refresh their TTL.
             if keys:
@@ -136,3 +220,17 @@ class DynamoCost(Scorer):
             idx = self.index()
             if idx is not None and len(keys) > matched:
                 idx.insert_speculative(ep, keys[matched:])
+
+    def _record_life(self, cycle: Cycle, w: Worker, keys: list[int]) -> None:
+        """The winner's written blocks (its eviction rate once full) and chain time."""
+        assert self.life is not None
+        m = cycle.matches(self.index()).get(w.endpoint)
+        written = float(len(keys) - (0 if m is None else m.blocks))
+        cap = float(w.scraped.num_gpu_blocks or 0)
+        idx = self.index()
+        stats = getattr(idx, "stats", None)
+        if stats is not None:
+            held = float(stats(w.endpoint)["blocks"]["GPU"])
+        else:
+            held = w.scraped.kv_usage * cap
+        self.life.routed(w.endpoint, keys, written, cycle.now, self.life.is_full(held, cap))

@@ -23,8 +23,14 @@ from kvscorer_tools.bench import report
 from kvscorer_tools.bench.workloads import WORKLOADS, Workload, load_workload, oracle_block_hit_rate
 
 REPLAY_DEFAULT = "kv,approx,round_robin,least_loaded"
-E2E_DEFAULT = "kv,approx,round_robin,sglang_cache_aware,vllm_router_kv_aware"
+# Ours, then the peers (kvscorer_tools.bench.e2e.settings.ROUTING_PEERS).
+E2E_DEFAULT = (
+    "kv,approx,round_robin,sglang_cache_aware,vllm_router_cache_aware,vllm_router_kv_aware"
+)
 SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000, None]  # None = unbounded
+# End to end the sweep is the issue's three capacities (unbounded would take the longest
+# and says least: every router converges to the oracle there).
+E2E_SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000]
 
 
 def register(subparsers: Any) -> None:
@@ -73,8 +79,16 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--policies",
         default=None,
-        help=f"comma list (replay: {REPLAY_DEFAULT}; "
-        f"e2e: {E2E_DEFAULT}); peers: sglang_cache_aware, vllm_router_kv_aware",
+        help=f"comma list (replay: {REPLAY_DEFAULT}; e2e: {E2E_DEFAULT}); peers (e2e only): "
+        "sglang_cache_aware, sglang_round_robin, vllm_router_cache_aware, "
+        "vllm_router_kv_aware, vllm_router_round_robin",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="e2e: run every policy N times, interleaved (A B C A B C ...), and report the "
+        "median with its min/max spread (default 3; replay is deterministic: 1)",
     )
     p.add_argument(
         "--param",
@@ -100,7 +114,9 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--sweep-capacity",
         action="store_true",
-        help="replay also at 500/1000/5000/unbounded blocks per worker (sweep plot)",
+        help="also at other capacities (replay: 500/1000/5000/unbounded, e2e: "
+        "500/1000/5000 blocks per worker, a fresh fleet each): table + capacity_sweep.png "
+        "of hit rate and TTFT p99 per policy and peer",
     )
     p.add_argument(
         "--concurrency",
@@ -157,6 +173,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "policy_options": args.policy_options,
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
+        "repeats": args.repeats,
         "workload_params": parse_params(args.param),
         "trace": args.trace,
     }
@@ -190,9 +207,11 @@ def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str])
             policy_options=args.policy_options,
         )
 
+    from kvscorer_tools.bench.e2e.settings import PEER_POLICIES
+
     results: dict[str, Any] = {}
     for name in policies:
-        if name in PEERS:
+        if name in PEER_POLICIES:
             results[name] = {"error": "peers run in --mode e2e only"}
             continue
         res = run_replay(wl, name, settings(args.capacity_blocks or None), keys)
@@ -207,7 +226,7 @@ def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str])
     results["oracle"] = oracle_entry(wl, args.block_size, keys)
     extra: dict[str, Any] = {}
     if args.sweep_capacity:
-        ours = [p for p in policies if p not in PEERS]
+        ours = [p for p in policies if p not in PEER_POLICIES]
         sweep: dict[str, Any] = {
             "capacities": [c if c is not None else "unbounded" for c in SWEEP_CAPACITIES],
             "hit_rate": {p: [] for p in ours},
@@ -227,7 +246,71 @@ def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str])
     return {"policies": results, **extra}
 
 
-PEERS = ("sglang_cache_aware", "vllm_router_kv_aware")
+def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) -> dict[str, Any]:
+    """Every policy and peer end to end, `--repeats` times; with --sweep-capacity at each
+    capacity of E2E_SWEEP_CAPACITIES on a fresh fleet (the sims' capacity is a flag)."""
+    from kvscorer_tools.bench.e2e import E2ESettings, run_e2e
+
+    main_cap = args.capacity_blocks or None
+    caps = [main_cap]
+    if args.sweep_capacity:
+        caps = [*E2E_SWEEP_CAPACITIES]
+        if main_cap not in caps:
+            caps.append(main_cap)
+    out = Path(args.out)
+    by_cap: dict[int | None, dict[str, Any]] = {}
+    for cap in caps:
+        if len(caps) > 1:
+            print(f"-- {cap or 'unbounded'} blocks per worker", flush=True)
+        es = E2ESettings(
+            workers=args.workers,
+            capacity_blocks=cap,
+            block_size=args.block_size,
+            speed=args.time_scale,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+            concurrency=args.concurrency,
+            policy_options=args.policy_options,
+            run_dir=out / "run" / f"cap-{cap or 'unbounded'}",
+        )
+        by_cap[cap] = run_e2e(wl, policies, es, log=print, repeats=args.repeats)
+    oracle = oracle_entry(wl, args.block_size)
+    body: dict[str, Any] = {"policies": {**by_cap[main_cap], "oracle": oracle}}
+    if args.sweep_capacity:
+        body["capacity_sweep"] = sweep_doc(
+            [c for c in caps if c in E2E_SWEEP_CAPACITIES], by_cap, policies, oracle
+        )
+        # Every figure at every capacity (the sweep keeps hit rate and TTFT p99 only).
+        body["by_capacity"] = {str(c or "unbounded"): by_cap[c] for c in caps}
+        for c in caps:
+            if c != main_cap:
+                print()
+                print(report.format_table(by_cap[c], f"{wl.name} (e2e, {c} blocks per worker)"))
+    return body
+
+
+def sweep_doc(
+    caps: list[int | None],
+    by_cap: dict[int | None, dict[str, Any]],
+    policies: list[str],
+    oracle: dict[str, Any],
+) -> dict[str, Any]:
+    """capacity_sweep of results.json from e2e results per capacity: per policy a list
+    per capacity (None where it failed), and the repeats' [min, max] in *_range."""
+    sweep: dict[str, Any] = {
+        "capacities": [c if c is not None else "unbounded" for c in caps],
+        "hit_rate": {},
+        "ttft_p99_ms": {},
+        "hit_rate_range": {},
+        "ttft_p99_ms_range": {},
+    }
+    for p in policies:
+        for key in ("hit_rate", "ttft_p99_ms"):
+            entries = [by_cap[c].get(p, {}) for c in caps]
+            sweep[key][p] = [e.get(key) for e in entries]
+            sweep[key + "_range"][p] = [e.get("spread", {}).get(key) for e in entries]
+    sweep["hit_rate"]["oracle"] = [oracle["hit_rate"]] * len(caps)
+    return sweep
 
 
 def run(args: argparse.Namespace) -> int:
@@ -244,13 +327,20 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--block-size must be >= 1")
         if args.capacity_blocks < 0:
             raise ValueError("--capacity-blocks must be >= 0 (0 = unbounded)")
+        if args.repeats is None:
+            args.repeats = 3 if args.mode == "e2e" else 1
+        if args.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        if args.mode == "replay" and args.repeats != 1:
+            raise ValueError("--repeats: the replay is deterministic (same seed, same numbers)")
+        from kvscorer_tools.bench.e2e.settings import PEER_POLICIES
         from scorer.policy import policy_names
 
         known_policies = policy_names()
 
-        unknown = [p for p in policies if p not in known_policies and p not in PEERS]
+        unknown = [p for p in policies if p not in known_policies and p not in PEER_POLICIES]
         if unknown:
-            known = ", ".join([*known_policies, *PEERS])
+            known = ", ".join([*known_policies, *PEER_POLICIES])
             raise ValueError(f"unknown policies {', '.join(unknown)} (known: {known})")
         params = parse_params(args.param)
         if args.trace is not None:
@@ -277,20 +367,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "replay":
         body = run_replay_mode(args, wl, policies)
     else:
-        from kvscorer_tools.bench.e2e import E2ESettings, run_e2e
-
-        es = E2ESettings(
-            workers=args.workers,
-            capacity_blocks=args.capacity_blocks or None,
-            block_size=args.block_size,
-            speed=args.time_scale,
-            max_num_seqs=args.max_num_seqs,
-            seed=args.seed,
-            concurrency=args.concurrency,
-            policy_options=args.policy_options,
-        )
-        body = {"policies": run_e2e(wl, policies, es, log=print)}
-        body["policies"]["oracle"] = oracle_entry(wl, args.block_size)
+        body = run_e2e_mode(args, wl, policies)
     doc = report.results_doc(wl.name, body.pop("policies"), settings_of(args, policies), **body)
     doc["workload_params"] = wl.params
     report.write_json(out / "results.json", doc)

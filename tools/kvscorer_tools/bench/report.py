@@ -35,24 +35,42 @@ def _fmt(v: Any, key: str) -> str:
     return str(v)
 
 
+# Figures shown with their spread over repeats (the [min, max] of each entry's "spread").
+SPREAD_SHOWN = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
+
+
+def _range(r: Mapping[str, Any], key: str) -> str:
+    lo_hi = r.get("spread", {}).get(key)
+    if not lo_hi:
+        return "-"
+    lo, hi = lo_hi
+    return f"{_fmt(lo, key)}-{_fmt(hi, key)}"
+
+
 def format_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = None) -> str:
-    """One row per policy; a peer that failed shows its error instead of numbers."""
-    headers = [
-        "policy",
-        "hit rate",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "req/s",
-        "imbalance",
-        "requests",
-        "errors",
-    ]
+    """One row per policy; a peer that failed shows its error instead of numbers.
+
+    When entries were repeated (an e2e run with --repeats > 1), hit rate and TTFT p50/p99
+    are medians and each is followed by its min-max over the repeats."""
+    repeated = any(int(r.get("repeats", 1)) > 1 for r in policies.values())
+    headers = ["policy", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "req/s", "imbalance"]
+    if repeated:
+        headers = [
+            "policy", "hit rate", "(min-max)", "TTFT p50 ms", "(min-max)",
+            "TTFT p99 ms", "(min-max)", "req/s", "imbalance",
+        ]  # fmt: skip
+    headers += ["requests", "errors"]
     rows: list[list[str]] = []
     for name, r in policies.items():
         if "error" in r and "hit_rate" not in r:
             rows.append([name, f"error: {str(r['error'])[:70]}"])
             continue
-        rows.append([name, *(_fmt(r.get(k), k) for k in RESULT_KEYS)])
+        cells = [name]
+        for k in RESULT_KEYS:
+            cells.append(_fmt(r.get(k), k))
+            if repeated and k in SPREAD_SHOWN:
+                cells.append(_range(r, k))
+        rows.append(cells)
     widths = [len(h) for h in headers]
     for row in rows:
         if len(row) == len(headers):
@@ -81,13 +99,29 @@ def format_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = 
 
 
 def format_sweep(sweep: Mapping[str, Any]) -> str:
-    """The capacity sweep as a table: one row per policy, one hit-rate column per capacity."""
+    """The capacity sweep as two tables (hit rate, TTFT p99): one row per policy, one
+    column per capacity; with the repeats' min-max when the sweep has them."""
     caps = [str(c) for c in sweep["capacities"]]
-    lines = ["capacity sweep (hit rate; blocks per worker)"]
-    lines.append("policy".ljust(14) + "".join(c.rjust(11) for c in caps))
-    for name, vals in sweep["hit_rate"].items():
-        cells = "".join(("-" if v is None else f"{v:.3f}").rjust(11) for v in vals)
-        lines.append(name.ljust(14) + cells)
+    lines: list[str] = []
+    for key, label in (("hit_rate", "hit rate"), ("ttft_p99_ms", "TTFT p99 ms")):
+        rows = sweep.get(key, {})
+        if not rows:
+            continue
+        ranges = sweep.get(key + "_range", {})
+        width = 19 if ranges else 11
+        if lines:
+            lines.append("")
+        lines.append(f"capacity sweep ({label}; blocks per worker)")
+        lines.append("policy".ljust(24) + "".join(c.rjust(width) for c in caps))
+        for name, vals in rows.items():
+            cells = []
+            for i, v in enumerate(vals):
+                cell = "-" if v is None else _fmt(float(v), key)
+                rng = (ranges.get(name) or [None] * len(vals))[i]
+                if v is not None and rng:
+                    cell += f" ({_fmt(rng[0], key)}-{_fmt(rng[1], key)})"
+                cells.append(cell.rjust(width))
+            lines.append(name.ljust(24) + "".join(cells))
     return "\n".join(lines)
 
 
@@ -159,21 +193,39 @@ def plot_policies(policies: Mapping[str, Mapping[str, Any]], path: Path, title: 
 
 
 def plot_sweep(sweep: Mapping[str, Any], path: Path, title: str) -> Path:
-    """Hit rate per policy against KV capacity per worker (categorical x axis)."""
+    """Hit rate and TTFT p99 per policy (and peer) against KV capacity per worker
+    (categorical x axis); error bars span the repeats' min-max where the sweep has them."""
     plt = _plt()
     caps = [str(c) for c in sweep["capacities"]]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    panels = [("hit_rate", "prefix-cache hit rate")]
+    if sweep.get("ttft_p99_ms"):
+        panels.append(("ttft_p99_ms", "TTFT p99 (ms)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.4), squeeze=False)
     x = list(range(len(caps)))
-    for name, vals in sweep["hit_rate"].items():
-        pts = [(i, v) for i, v in zip(x, vals, strict=True) if v is not None]
-        style = "--" if name == ORACLE else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-    ax.set_xticks(x, caps)
-    ax.set_xlabel("KV capacity per worker (blocks)")
-    ax.set_ylabel("prefix-cache hit rate")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        ranges = sweep.get(key + "_range", {})
+        for name, vals in sweep[key].items():
+            rng = ranges.get(name) or [None] * len(vals)
+            pts = [(i, v, r) for i, v, r in zip(x, vals, rng, strict=True) if v is not None]
+            if not pts:
+                continue
+            style = "--" if name == ORACLE else "-"
+            xs, ys = [p[0] for p in pts], [float(p[1]) for p in pts]
+            # Clamped: the median is rounded, the range is not.
+            lo = [max(y - (p[2][0] if p[2] else y), 0.0) for y, p in zip(ys, pts, strict=True)]
+            hi = [max((p[2][1] if p[2] else y) - y, 0.0) for y, p in zip(ys, pts, strict=True)]
+            if any(lo) or any(hi):
+                ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, marker="o", capsize=3, label=name)
+            else:
+                ax.plot(xs, ys, style, marker="o", label=name)
+        ax.set_xticks(x, caps)
+        ax.set_xlabel("KV capacity per worker (blocks)")
+        ax.set_ylabel(label)
+        if key == "ttft_p99_ms":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -54,6 +54,10 @@ class RequestRejected(ValueError):
     """The request can never run here (too long for the model or the KV pool)."""
 
 
+# Wall-clock seconds the engine may run behind its step deadlines and still catch up.
+CATCH_UP_S = 0.005
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One generation request inside the engine."""
@@ -128,7 +132,7 @@ class Engine:
         self._events: list[msgspec.Struct] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._clock = 0.0  # wall time the last step ended
+        self._clock = 0.0  # the deadline the last step ended on (wall clock)
         self._ids = itertools.count()
         self.steps = 0
 
@@ -282,7 +286,15 @@ class Engine:
             self.running.extend(admitted)
             self._update_gauges()
             ms = self.timing.step_ms(prefill_tokens, len(decoding))
-            start = max(self._clock, time.monotonic())
+            # Steps end on absolute deadlines: asyncio wakes at 1 ms granularity, so a short
+            # step (8 ms of decode at --speed 20 = 0.4 ms) oversleeps, and the next steps
+            # start from the deadline, not from the late wake-up, to make it up. Without
+            # this, model time stretched up to 3x at --speed 20. A step never starts before
+            # its newest request arrived, and a debt over CATCH_UP_S (idle, or a starved
+            # CPU) is dropped.
+            now = time.monotonic()
+            start = self._clock if now - self._clock <= CATCH_UP_S else now
+            start = max([start, *(r.arrival for r in admitted)])
             end = start + self.timing.wall_s(ms)
             await asyncio.sleep(max(end - time.monotonic(), 0.0))
             self._clock = end

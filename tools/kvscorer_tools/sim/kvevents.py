@@ -245,6 +245,9 @@ class KVEventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.hwm)
             pub.setsockopt(zmq.LINGER, 0)
+            # Kept before binding: a socket that failed to bind (port taken) must still be
+            # closed by stop(), or the context's term() waits for it forever.
+            self._pub = pub
             bind = self.mode == "bind" or (self.mode == "auto" and vllm_binds(self.endpoint))
             if bind:
                 pub.bind(_bindable(self.endpoint))
@@ -252,14 +255,13 @@ class KVEventPublisher:
             else:
                 pub.connect(self.endpoint)
                 self.bound_endpoint = self.endpoint
-            self._pub = pub
         if self.replay_endpoint is not None:
             self._actx = zmq.asyncio.Context()
             router = self._actx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            self._router = router
             router.bind(_bindable(self.replay_endpoint))
             self.bound_replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._router = router
             self._replay_task = asyncio.create_task(self._serve_replay(), name="kv-replay")
 
     async def stop(self) -> None:

@@ -23,8 +23,9 @@ HITS = "vllm:prefix_cache_hits"
 QUERIES = "vllm:prefix_cache_queries"
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
 TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
-# A sim that lost its picked port to another process exits with this in its log (errno
-# EADDRINUSE from aiohttp or ZMQ); it is started again on fresh ports.
+# A sim that lost a picked port to another process has this in its log (errno EADDRINUSE
+# from aiohttp, which ends it, or from ZMQ, which may not); it is started again on fresh
+# ports.
 _ADDR_IN_USE = "address already in use"
 _BIND_ATTEMPTS = 3
 
@@ -117,16 +118,18 @@ class SimFleet:
                 spec, p = self.specs[i], self.procs[i]
                 try:
                     wait_until(
-                        lambda spec=spec: http_get(spec.url + "/health", 1.0)[0] == 200,  # type: ignore[misc]
+                        lambda spec=spec, p=p: _healthy(spec, p),  # type: ignore[misc]
                         timeout_s,
                         f"{p.name} /health",
                         p,
                     )
                     break
                 except ProcError:
-                    lost_port = not p.alive() and _ADDR_IN_USE in p.log_tail().lower()
-                    if not lost_port or attempt == _BIND_ATTEMPTS:
+                    if _ADDR_IN_USE not in p.log_tail().lower() or attempt == _BIND_ATTEMPTS:
                         raise
+                # A lost HTTP port ends the sim; a lost ZMQ port can leave it running
+                # without its event socket: stop it either way, start again elsewhere.
+                self.group.stop(p)
                 spec = SimSpec(free_port(), free_port(), free_port())
                 self.specs[i] = spec
                 self.procs[i] = self.group.start(f"sim{i}-retry{attempt}", self.argv(spec))
@@ -155,6 +158,13 @@ class SimFleet:
             m = metric_sums(text, [QUERIES, HITS, TTFT_SUM, TTFT_COUNT])
             out.append((m[QUERIES], m[HITS], m[TTFT_SUM], m[TTFT_COUNT]))
         return out
+
+
+def _healthy(spec: SimSpec, p: Proc) -> bool:
+    """/health answers 200; ProcError at once when the sim lost a port (see start)."""
+    if _ADDR_IN_USE in p.log_tail(5).lower():
+        raise ProcError(f"{p.name}: {_ADDR_IN_USE}")
+    return http_get(spec.url + "/health", 1.0)[0] == 200
 
 
 def reset_prefix_cache(url: str) -> tuple[int, bool]:

@@ -4,13 +4,18 @@
   ``cache_aware`` — an approximate radix tree of the prompts it routed, with load-balance
   thresholds. Started as ``python -m sglang_router.launch_router --worker-urls ...
   --policy cache_aware`` (the launcher's documented form).
+* ``vllm_router_cache_aware``: vllm-router (PyPI ``vllm-router`` 0.1.17), policy
+  ``cache_aware`` — the same approximate-tree idea as sglang-router's (vllm-router is
+  its fork), on token-id prompts as well.
 * ``vllm_router_kv_aware``: vllm-router (PyPI ``vllm-router`` 0.1.17), policy
   ``kv_aware`` — routes by the workers' ZMQ KV events, tokenizing through the workers'
   ``/tokenize`` endpoint. Flags from the installed launcher's ``--help``:
   ``--kv-event-source WORKER_URL=ENDPOINT``, ``--kv-event-replay-source``,
   ``--kv-event-block-size``, ``--kv-event-model``.
 
-Both are optional (``pip install -e './tools[peers]'``). A peer that is not installed,
+The ``round_robin`` policy of each (``sglang_round_robin``, ``vllm_router_round_robin``) is
+available too (the overhead benchmark runs it). All are optional
+(``pip install -e './tools[peers]'``). A peer that is not installed,
 does not start or fails its requests gets ``{"error": "..."}`` in the results and the run goes on.
 """
 
@@ -22,25 +27,15 @@ from typing import Any
 
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
-from kvscorer_tools.bench.e2e.settings import E2ESettings
+from kvscorer_tools.bench.e2e.settings import PEER_POLICIES, ROUTING_PEERS, E2ESettings
 from kvscorer_tools.bench.e2e.summary import summarize
 from kvscorer_tools.bench.procs import Proc, ProcError, ProcGroup, free_port, http_get, wait_until
 from kvscorer_tools.bench.workloads import Workload
 
-PEERS = {
-    "sglang_cache_aware": "sglang_router",
-    "vllm_router_kv_aware": "vllm_router",
-}
-
-# Every peer configuration the overhead benchmark (bench/bench_overhead.py) runs:
-# name -> (module, --policy). Same launchers and flags as above; only the policy differs.
-PEER_POLICIES = {
-    "sglang_round_robin": ("sglang_router", "round_robin"),
-    "sglang_cache_aware": ("sglang_router", "cache_aware"),
-    "vllm_router_round_robin": ("vllm_router", "round_robin"),
-    "vllm_router_cache_aware": ("vllm_router", "cache_aware"),
-    "vllm_router_kv_aware": ("vllm_router", "kv_aware"),
-}
+# Every peer configuration (name -> (module, --policy)): the routing benchmark runs
+# ROUTING_PEERS by default, the overhead benchmark (bench/bench_overhead.py) all of them.
+# Same launchers and flags; only the policy differs.
+PEERS = PEER_POLICIES
 
 
 class PeerError(RuntimeError):
@@ -114,25 +109,14 @@ def start_peer(
 def run_peer(
     name: str, group: ProcGroup, fleet: SimFleet, wl: Workload, settings: E2ESettings
 ) -> dict[str, Any]:
-    """Start peer `name` in front of `fleet`, run the workload through it, stop it."""
-    module = PEERS.get(name)
-    if module is None:
-        raise PeerError(f"unknown peer {name!r}")
-    if importlib.util.find_spec(module) is None:
-        raise PeerError(f"{module} is not installed (pip install -e './tools[peers]')")
+    """Start peer `name` in front of `fleet` (caches reset), run the workload, stop it."""
     fleet.reset()
-    port = free_port()
-    proc = group.start(name, peer_argv(name, fleet, settings, port))
+    proc, base = start_peer(name, group, fleet, settings)
     try:
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_until(lambda: http_get(base + "/health", 1.0)[0] == 200, 90.0, name, proc)
-        except ProcError as e:
-            raise PeerError(str(e)) from e
         before = fleet.counters()
         # sglang-router 0.3.2 accepts only text prompts on /v1/completions (HTTP 422 for
         # token ids): it gets the same prompts as "t<id>" words (see completion_body).
-        text = name == "sglang_cache_aware"
+        text = PEER_POLICIES[name][0] == "sglang_router"
         res = run_load(base + "/v1/completions", wl, settings, name, text)
         after = fleet.counters()
         out = summarize(res, before, after, settings.speed, len(wl))
@@ -141,3 +125,14 @@ def run_peer(
         return out
     finally:
         group.stop(proc)
+
+
+__all__ = [
+    "PEERS",
+    "PEER_POLICIES",
+    "ROUTING_PEERS",
+    "PeerError",
+    "peer_argv",
+    "run_peer",
+    "start_peer",
+]

@@ -11,9 +11,13 @@ from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.scorer import DIAGNOSTICS, ScorerRun
 from kvscorer_tools.bench.e2e.settings import E2ESettings, Log
-from kvscorer_tools.bench.e2e.summary import summarize
+from kvscorer_tools.bench.e2e.summary import combine_repeats, summarize
 from kvscorer_tools.bench.procs import ProcError, ProcGroup
 from kvscorer_tools.bench.workloads import Workload
+
+# Send lag (wall ms, p99) above which a run is flagged: the load generator could not fire
+# requests on time, so the machine, not the router, set the latencies.
+LAG_WARN_WALL_MS = 50.0
 
 
 def run_ours(
@@ -48,34 +52,64 @@ def run_ours(
 
 
 def run_e2e(
-    wl: Workload, policies: Sequence[str], settings: E2ESettings, log: Log = print
+    wl: Workload,
+    policies: Sequence[str],
+    settings: E2ESettings,
+    log: Log = print,
+    repeats: int = 1,
 ) -> dict[str, dict[str, Any]]:
-    """Every policy (ours and peers) on the same fleet; peers that fail get {"error"}."""
+    """Every policy (ours and peers) on the same fleet, `repeats` times, interleaved.
 
+    Repeat r runs every policy once (A B C A B C ...), so a slow drift of the machine's
+    load spreads over all policies instead of landing on one. Each entry is the median
+    over the repeats with its [min, max] spread (summary.combine_repeats); a policy whose
+    every repeat failed gets {"error"}.
+    """
     group = ProcGroup(settings.run_dir / "logs")
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+    missing: set[str] = set()
     try:
         fleet = SimFleet(group, settings)
         fleet.start()
         log(f"{len(fleet.specs)} simulated workers up")
-        for name in policies:
-            t = time.perf_counter()
-            try:
-                if name in peers.PEERS:
-                    results[name] = peers.run_peer(name, group, fleet, wl, settings)
+        for rep in range(repeats):
+            for name in policies:
+                if name in missing:
+                    continue
+                t = time.perf_counter()
+                r = run_one(group, fleet, wl, name, settings)
+                runs[name].append(r)
+                tag = f"  {name}" + (f" [{rep + 1}/{repeats}]" if repeats > 1 else "")
+                if "error" in r:
+                    log(f"{tag}: error: {str(r['error']).splitlines()[0][:200]}")
                 else:
-                    results[name] = run_ours(group, fleet, wl, name, settings)
-            except (ProcError, peers.PeerError, OSError) as e:
-                results[name] = {"error": str(e)[:2000]}
-            r = results[name]
-            if "error" in r:
-                log(f"  {name}: error: {str(r['error']).splitlines()[0][:200]}")
-            else:
-                log(
-                    f"  {name}: hit {r['hit_rate']:.3f}  p50 {r['ttft_p50_ms']:.0f} ms  "
-                    f"p99 {r['ttft_p99_ms']:.0f} ms  errors {r['errors']}  "
-                    f"({time.perf_counter() - t:.0f}s)"
-                )
+                    log(
+                        f"{tag}: hit {r['hit_rate']:.3f}  p50 {r['ttft_p50_ms']:.0f} ms  "
+                        f"p99 {r['ttft_p99_ms']:.0f} ms  errors {r['errors']}  "
+                        f"send lag p99 {r.get('send_lag_p99_ms', 0):.0f} ms  "
+                        f"({time.perf_counter() - t:.0f}s)"
+                    )
+                    lag_wall_ms = r.get("send_lag_p99_ms", 0.0) / settings.speed
+                    if lag_wall_ms > LAG_WARN_WALL_MS:
+                        log(
+                            f"  warning: requests went out up to {lag_wall_ms:.0f} ms (wall) "
+                            "late: this machine did not keep up with --time-scale "
+                            f"{settings.speed:g}; latencies are inflated (lower it)"
+                        )
+                if "error" in r and "not installed" in str(r["error"]):
+                    missing.add(name)  # no use trying it again in the next repeats
     finally:
         group.stop_all()
-    return results
+    return {name: combine_repeats(rs) for name, rs in runs.items()}
+
+
+def run_one(
+    group: ProcGroup, fleet: SimFleet, wl: Workload, name: str, settings: E2ESettings
+) -> dict[str, Any]:
+    """One repeat of one policy or peer; {"error"} when it could not run."""
+    try:
+        if name in peers.PEER_POLICIES:
+            return peers.run_peer(name, group, fleet, wl, settings)
+        return run_ours(group, fleet, wl, name, settings)
+    except (ProcError, peers.PeerError, OSError) as e:
+        return {"error": str(e)[:2000]}

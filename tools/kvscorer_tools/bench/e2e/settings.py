@@ -11,6 +11,18 @@ MODEL = "bench-model"
 
 Log = Callable[[str], None]
 
+# The peer routers the harness can start: name -> (module, --policy). Here (no imports)
+# so the CLI can validate names without loading the harness; peers.py starts them.
+PEER_POLICIES: dict[str, tuple[str, str]] = {
+    "sglang_round_robin": ("sglang_router", "round_robin"),
+    "sglang_cache_aware": ("sglang_router", "cache_aware"),
+    "vllm_router_round_robin": ("vllm_router", "round_robin"),
+    "vllm_router_cache_aware": ("vllm_router", "cache_aware"),
+    "vllm_router_kv_aware": ("vllm_router", "kv_aware"),
+}
+# The routers users would pick instead of ours, run beside our policies in every e2e run.
+ROUTING_PEERS = ("sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+
 
 @dataclass(slots=True)
 class E2ESettings:

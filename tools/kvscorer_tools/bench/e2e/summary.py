@@ -40,6 +40,58 @@ def summarize(
         if n > 0:
             out["ttft_engine_mean_ms"] = round(t / n * 1000.0, 2)
     out["ttft_mean_ms"] = round(sum(ttft_ms) / len(ttft_ms), 2) if ttft_ms else 0.0
+    if res.send_lag_s:
+        # Model ms, like the latencies: compare with TTFT to judge the time scale.
+        out["send_lag_p99_ms"] = round(
+            percentile([x * 1000.0 * speed for x in res.send_lag_s], 99), 2
+        )
     if res.first_error:
         out["first_error"] = res.first_error
+    return out
+
+
+# The figures a repeated run reports as median + [min, max] over its repeats.
+SPREAD_KEYS = (
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "throughput_rps",
+    "imbalance",
+    "ttft_mean_ms",
+    "ttft_engine_mean_ms",
+    "send_lag_p99_ms",
+)
+
+
+def combine_repeats(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One results.json entry from the repeats of one policy.
+
+    Each figure of SPREAD_KEYS is the median over the repeats that ran, with
+    `spread[key] = [min, max]`; `errors` is the sum, `runs` keeps every repeat. A repeat
+    that failed is counted in `failed_repeats`; when all failed the entry is {"error"}.
+    """
+    ok = [r for r in runs if "error" not in r]
+    failed = [r for r in runs if "error" in r]
+    if not ok:
+        first = failed[0]["error"] if failed else "no repeat ran"
+        return {"error": first, "repeats": len(runs)}
+    out: dict[str, Any] = {}
+    spread: dict[str, list[float]] = {}
+    for key in SPREAD_KEYS:
+        vals = sorted(float(r[key]) for r in ok if key in r)
+        if not vals:
+            continue
+        n = len(vals)
+        med = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+        out[key] = round(med, 4)
+        spread[key] = [vals[0], vals[-1]]
+    out["requests"] = ok[0]["requests"]
+    out["errors"] = sum(int(r.get("errors", 0)) for r in ok)
+    out["repeats"] = len(runs)
+    out["spread"] = spread
+    if failed:
+        out["failed_repeats"] = len(failed)
+        out["first_failure"] = str(failed[0]["error"])[:500]
+    # Per-repeat details (counters, reasons) stay in `runs`.
+    out["runs"] = list(runs)
     return out

@@ -1,0 +1,183 @@
+"""What a routing decision does to the fleet: cache life per worker, chain ages, the
+previous turn's worker. Read and written by the `dynamo_cost` scorer (scorer.policy.cost
+prices it); kept outside the block index on purpose (its own small bounded structures).
+
+Expected life of a cached block. A worker's prefix cache is LRU (vLLM's free-block queue
+evicts the least recently freed block first: vllm docs/design/prefix_caching.md,
+vllm/v1/core/kv_cache_utils.py FreeKVCacheBlockQueue; SGLang's radix cache evicts the
+least recently used leaves: python/sglang/srt/mem_cache/radix_cache.py `evict`). Once it
+is full, every new block written evicts one: the worker's eviction rate (what its
+`BlockRemoved` events count) equals the rate at which new blocks are written there. A
+block last touched `age` seconds ago has had about `age x rate` blocks written after it,
+so it is evicted when that reaches the capacity:
+
+    life_s = capacity_blocks / eviction_rate        remaining_s = life_s - age
+
+`eviction_rate` is the smoothed rate of blocks this router wrote to the worker (the
+uncached blocks of the requests it sent there: exactly the blocks the engine stores, and,
+once the cache is full, removes as many of) while the worker's cache is full (the index
+holds at least `full_fraction` of its capacity), as an exponentially weighted rate with
+time constant `window_s`. Until the cache fills the rate is 0 and blocks live forever.
+
+Coarse chain ages. For each worker, the time this router last routed a request through
+a block is remembered at every `stride`-th block of the request and at its last block
+(a bounded LRU map, `max_entries`); the age of a candidate's matched chain is read at the
+deepest remembered position within the match. Unknown (another router's traffic, or
+forgotten): no age, full value.
+
+Previous turn. The last worker of each session id (bounded LRU, `max_sessions`, idle
+entries older than `session_ttl_s` dropped); without a session id, the candidate holding
+the longest cached prefix, when it covers at least `min_match` of the prompt (a
+conversation's next turn starts with the previous turn's whole prompt and answer). A
+request whose session id is new has no previous turn (its prefix may be a system prompt
+shared with other sessions).
+
+Live sessions per worker. A new session's later turns follow it wherever it lands (the
+continuity term keeps them there) and grow its context there, so placing it also places
+its future load and cache footprint. The map counts, per worker, the sessions whose last
+request went there (the `session_spread` term spreads new sessions by it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class CacheLife:
+    """Per worker: smoothed eviction rate, expected block life, coarse chain ages."""
+
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        stride: int = 16,
+        max_entries: int = 200_000,
+        full_fraction: float = 0.9,
+    ) -> None:
+        self.window_s = window_s
+        self.stride = max(stride, 1)
+        self.max_entries = max_entries
+        self.full_fraction = full_fraction
+        # endpoint -> (rate in blocks/s at time t, t)
+        self._rate: dict[str, tuple[float, float]] = {}
+        # (endpoint, block key) -> last routed time; oldest first.
+        self._seen: OrderedDict[tuple[str, int], float] = OrderedDict()
+
+    def routed(
+        self,
+        endpoint: str,
+        keys: Sequence[int],
+        written: float,
+        now: float,
+        full: bool,
+    ) -> None:
+        """A request was routed to `endpoint`: `written` new blocks (counted towards its
+        eviction rate when its cache is `full`) and its chain's time refreshed."""
+        rate, t = self._rate.get(endpoint, (0.0, now))
+        rate *= math.exp(-max(now - t, 0.0) / self.window_s)
+        if full and written > 0.0:
+            rate += written / self.window_s
+        self._rate[endpoint] = (rate, now)
+        n = len(keys)
+        if not n:
+            return
+        seen = self._seen
+        stride = self.stride
+        for j in range(stride - 1, n - 1, stride):
+            k = (endpoint, keys[j])
+            seen[k] = now
+            seen.move_to_end(k)
+        k = (endpoint, keys[n - 1])
+        seen[k] = now
+        seen.move_to_end(k)
+        while len(seen) > self.max_entries:
+            seen.popitem(last=False)
+
+    def eviction_rate(self, endpoint: str, now: float) -> float:
+        """Smoothed blocks evicted per second on `endpoint` (0: cache not full)."""
+        got = self._rate.get(endpoint)
+        if got is None:
+            return 0.0
+        rate, t = got
+        return rate * math.exp(-max(now - t, 0.0) / self.window_s)
+
+    def life_s(self, endpoint: str, capacity: float, now: float) -> float | None:
+        """Expected seconds a block lives in `endpoint`'s cache after its last use (None:
+        nothing is being evicted, or the capacity is unknown)."""
+        rate = self.eviction_rate(endpoint, now)
+        if rate <= 1e-9 or capacity <= 0.0:
+            return None
+        return capacity / rate
+
+    def age_s(self, endpoint: str, keys: Sequence[int], depth: int, now: float) -> float | None:
+        """Seconds since this router last routed through the first `depth` blocks of
+        `keys` to `endpoint`, at the deepest remembered position (None: unknown)."""
+        if depth <= 0:
+            return None
+        seen = self._seen
+        t = seen.get((endpoint, keys[depth - 1]))
+        if t is None:
+            stride = self.stride
+            j = (depth // stride) * stride - 1
+            while j >= 0 and t is None:
+                t = seen.get((endpoint, keys[j]))
+                j -= stride
+        return None if t is None else max(now - t, 0.0)
+
+    def is_full(self, held_blocks: float, capacity: float) -> bool:
+        """Whether a cache holding `held_blocks` of `capacity` evicts on every write."""
+        return capacity > 0.0 and held_blocks >= self.full_fraction * capacity
+
+
+def life_factor(remaining_s: float, wait_s: float, life_s: float, fade: float) -> float:
+    """Worth of a cached chain (0..1) that has `remaining_s` of life left when the request
+    reaches it after `wait_s`: full while more than `fade x life_s` is left then, falling
+    linearly to 0 at eviction."""
+    left = remaining_s - wait_s
+    span = fade * life_s
+    if span <= 0.0:
+        return 1.0 if left > 0.0 else 0.0
+    return min(max(left / span, 0.0), 1.0)
+
+
+class Sessions:
+    """Session id -> the worker of its last request (bounded, least recently used out)."""
+
+    def __init__(self, max_sessions: int = 100_000, ttl_s: float = 600.0) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._live: dict[str, int] = {}  # endpoint -> sessions whose last request went there
+
+    def live(self, endpoint: str) -> int:
+        """Sessions (not idle past the TTL at the last update) last served by `endpoint`."""
+        return self._live.get(endpoint, 0)
+
+    def _count(self, endpoint: str, d: int) -> None:
+        n = self._live.get(endpoint, 0) + d
+        if n > 0:
+            self._live[endpoint] = n
+        else:
+            self._live.pop(endpoint, None)
+
+    def get(self, session_id: str, now: float) -> str | None:
+        """The worker that served `session_id`'s previous request, if recent."""
+        got = self._last.get(session_id)
+        if got is None or now - got[1] > self.ttl_s:
+            return None
+        return got[0]
+
+    def put(self, session_id: str, endpoint: str, now: float) -> None:
+        """`session_id`'s request went to `endpoint`."""
+        last = self._last
+        old = last.get(session_id)
+        if old is not None:
+            self._count(old[0], -1)
+        last[session_id] = (endpoint, now)
+        last.move_to_end(session_id)
+        self._count(endpoint, 1)
+        while last and (
+            len(last) > self.max_sessions or now - next(iter(last.values()))[1] > self.ttl_s
+        ):
+            self._count(last.popitem(last=False)[1][0], -1)

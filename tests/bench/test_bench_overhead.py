@@ -1,0 +1,56 @@
+"""bench/bench_overhead.py's arithmetic: added latency against each adjacent baseline."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_overhead", ROOT / "bench" / "bench_overhead.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_overhead"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sample(ms: float, n: int = 100, wall: float = 1.0) -> dict[str, Any]:
+    return {"lat": [ms / 1e3] * n, "wall": wall, "errors": 0, "first_status": 0}
+
+
+def test_added_latency_against_each_baseline_is_the_median_over_repeats() -> None:
+    bo = load()
+    cell = bo.Cell()
+    # Three repeats; the machine gets slower between them, every path alike.
+    for drift, cpu in ((0.0, 30.0), (5.0, 50.0), (1.0, 40.0)):
+        bases = {"direct": sample(10 + drift), "envoy": sample(10.5 + drift, n=90)}
+        cell.add(sample(11.2 + drift, n=60), cpu, bases)
+    out = cell.result()
+    assert out["repeats"] == 3 and out["requests"] == 180
+    assert abs(out["added_p50_ms"] - 1.2) < 1e-9  # vs direct: drift cancels
+    assert abs(out["added_p50_ms_vs_envoy"] - 0.7) < 1e-9
+    assert abs(out["added_p50_spread_ms_vs_envoy"]) < 1e-9
+    assert abs(out["rps_ratio_vs_envoy"] - 60 / 90) < 1e-9
+    assert abs(out["p50_ms"] - 12.2) < 1e-9 and abs(out["p50_spread_ms"] - 5.0) < 1e-9
+    assert out["scorer_cpu_us_per_req"] == 40.0 and out["scorer_cpu_spread_us"] == 20.0
+
+
+def test_a_path_that_fails_every_request_has_no_added_figures() -> None:
+    bo = load()
+    cell = bo.Cell()
+    cell.add({"lat": [], "wall": 1.0, "errors": 5, "first_status": 422}, None,
+             {"direct": sample(10)})  # fmt: skip
+    out = cell.result()
+    assert out["errors"] == 5 and out["first_status"] == 422
+    assert "added_p50_ms" not in out and "p50_ms" not in out
+    lines: list[str] = []
+    bo.print_table({"peer:x": {"cells": {"ids/c1": out}}}, [1], lines.append)
+    assert "every request failed (HTTP 422)" in lines[-1]

@@ -1,0 +1,199 @@
+"""The cost's fleet terms: block life, predicted TTFT (ms unit), conversation continuity."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from kvpolicy_helpers import endpoint, hold, keys, make, request
+
+from scorer.policy.fleet import CacheLife, Sessions, life_factor
+from scorer.pool.prefill import PrefillModel
+
+
+def set_load(s, i: int, prefill: float = 0.0, decode: float = 0.0) -> None:
+    wl = s.pool.workers[endpoint(i)].inflight
+    wl.prefill_blocks = prefill
+    wl.decode_blocks = decode
+
+
+def by_ep(d):
+    return {c.endpoint: c for c in d.candidates}
+
+
+BASE = {"credit_decay": 0, "prefill_load_scale": 1.0}
+
+
+def test_eviction_rate_counts_only_full_caches_and_decays() -> None:
+    cl = CacheLife(window_s=10.0)
+    cl.routed("a", [1, 2], written=50.0, now=0.0, full=False)
+    assert cl.eviction_rate("a", 0.0) == 0.0
+    assert cl.life_s("a", 1000.0, 0.0) is None  # nothing evicted: blocks live forever
+    cl.routed("a", [1, 2], written=50.0, now=0.0, full=True)
+    assert cl.eviction_rate("a", 0.0) == pytest.approx(5.0)  # 50 blocks / 10 s window
+    assert cl.life_s("a", 1000.0, 0.0) == pytest.approx(200.0)
+    assert cl.eviction_rate("a", 10.0) == pytest.approx(5.0 / math.e)
+    assert cl.life_s("a", 0.0, 0.0) is None  # capacity unknown
+
+
+def test_chain_age_at_the_deepest_remembered_position() -> None:
+    cl = CacheLife(stride=4, max_entries=100)
+    k = list(range(100, 110))  # 10 blocks: remembered at positions 3, 7 and 9 (the last)
+    cl.routed("a", k, 0.0, now=5.0, full=False)
+    cl.routed("a", k[:4], 0.0, now=8.0, full=False)  # refreshes positions 3
+    assert cl.age_s("a", k, 10, 10.0) == pytest.approx(5.0)  # last block, routed at 5
+    assert cl.age_s("a", k, 9, 10.0) == pytest.approx(5.0)  # position 7, routed at 5
+    assert cl.age_s("a", k, 5, 10.0) == pytest.approx(2.0)  # position 3, refreshed at 8
+    assert cl.age_s("a", k, 3, 10.0) is None  # below the first remembered position
+    assert cl.age_s("b", k, 10, 10.0) is None
+    assert cl.age_s("a", k, 0, 10.0) is None
+
+
+def test_chain_ages_are_bounded() -> None:
+    cl = CacheLife(stride=1, max_entries=5)
+    cl.routed("a", list(range(20)), 0.0, now=1.0, full=False)
+    assert cl.age_s("a", list(range(20)), 20, 2.0) == pytest.approx(1.0)
+    assert cl.age_s("a", list(range(20)), 3, 2.0) is None  # oldest entries dropped
+
+
+def test_life_factor_fades_over_the_last_part_of_life() -> None:
+    assert life_factor(100.0, 0.0, 100.0, 0.25) == 1.0
+    assert life_factor(20.0, 0.0, 100.0, 0.25) == pytest.approx(0.8)
+    assert life_factor(20.0, 10.0, 100.0, 0.25) == pytest.approx(0.4)  # reached later
+    assert life_factor(-5.0, 0.0, 100.0, 0.25) == 0.0
+    assert life_factor(1.0, 0.0, 100.0, 0.0) == 1.0
+
+
+def test_sessions_bounded_and_expiring() -> None:
+    ss = Sessions(max_sessions=2, ttl_s=10.0)
+    ss.put("s1", "a", 0.0)
+    ss.put("s2", "b", 1.0)
+    ss.put("s3", "c", 2.0)  # s1 dropped: bound
+    assert ss.get("s1", 2.0) is None
+    assert ss.get("s2", 2.0) == "b"
+    assert ss.get("s3", 20.0) is None  # idle too long
+
+
+def test_old_chain_on_a_full_cache_is_worth_less() -> None:
+    """W0 holds the whole 10-block prompt, W1 nothing; W0 carries 3 queued blocks.
+
+    Without block life W0 wins (3 + 10 - 10 = 3 vs 10). W0's cache (20 blocks) is full and
+    100 blocks were written there 3 s ago (10-s window: 10 blocks/s then, 7.4/s now, so a
+    block lives 2.7 s) by the request that last used this chain: no life left, so it
+    earns no credit and the idle W1 wins.
+    """
+    k = keys(10)
+    for life, winner in ((False, 0), (True, 1)):
+        s = make(2, options={**BASE, "block_life": life, "life_window_s": 10.0})
+        hold(s.index, endpoint(0), k)
+        set_load(s, 0, prefill=3)
+        w0 = s.pool.workers[endpoint(0)]
+        w0.scraped.num_gpu_blocks = 20
+        now = s.policy.clock()
+        scorer = s.policy.scorers[0]
+        if life:
+            scorer.life.routed(endpoint(0), k, 100.0, now - 3.0, full=True)
+        d = s.policy.decide(request(k), list(s.pool))
+        assert d.endpoint == endpoint(winner)
+        row = by_ep(d)[endpoint(0)].as_dict()
+        if life:
+            t = row["terms"]
+            assert t["life_factor"] == 0.0
+            assert t["chain_age_s"] == pytest.approx(3.0, abs=0.1)
+            assert t["block_life_s"] == pytest.approx(20.0 / (10.0 * math.exp(-0.3)), rel=0.05)
+        else:
+            assert "terms" not in row
+
+
+def test_ms_unit_prices_the_queue_and_the_uncached_prefill() -> None:
+    """Predicted TTFT = the prefill model over (queued + uncached) tokens."""
+    s = make(2, options={**BASE, "unit": "ms", "decode_ms_per_block": 0.0})
+    model = PrefillModel(a=0.01, b=0.001)  # 10 ms + 1 ms per token: 16 ms per block
+    s.ctx.parts.prefill = model
+    k = keys(10)
+    hold(s.index, endpoint(0), k[:6])
+    set_load(s, 0, prefill=2)
+    d = s.policy.decide(request(k), list(s.pool))
+    c = by_ep(d)
+    # W0: 2 queued + 4 uncached blocks = 96 tokens; W1: 10 blocks = 160 tokens.
+    assert c[endpoint(0)].cost == pytest.approx(10.0 + 96.0)
+    assert c[endpoint(1)].cost == pytest.approx(10.0 + 160.0)
+    assert c[endpoint(0)].as_dict()["terms"]["predicted_ttft_ms"] == pytest.approx(106.0)
+    assert d.endpoint == endpoint(0)
+
+
+def test_continuity_keeps_the_sessions_previous_worker_unless_clearly_better() -> None:
+    k = keys(10)
+    s = make(2, options={**BASE, "continuity": 0.3})
+    first = s.policy.decide(request(k, session_id="s"), list(s.pool))
+    prev = first.endpoint
+    other = 1 - s.endpoints.index(prev)
+    # The previous worker is now a little more loaded: it is kept (cost x 0.7).
+    set_load(s, 1 - other, decode=4)
+    d = s.policy.decide(request(keys(10, base=5000), session_id="s"), list(s.pool))
+    assert d.endpoint == prev
+    assert by_ep(d)[prev].as_dict()["terms"]["previous_turn"] is True
+    # Much more loaded: another worker is clearly better and wins.
+    set_load(s, 1 - other, decode=40)
+    d = s.policy.decide(request(keys(10, base=6000), session_id="s"), list(s.pool))
+    assert d.endpoint == endpoint(other)
+
+
+def test_continuity_from_the_prefix_needs_one_holder_of_most_of_the_prompt() -> None:
+    k = keys(10)
+    s = make(3, options={**BASE, "continuity": 0.5})
+    hold(s.index, endpoint(0), k[:8])
+    set_load(s, 0, decode=6)
+    d = s.policy.decide(request(k), list(s.pool))
+    assert by_ep(d)[endpoint(0)].as_dict()["terms"]["previous_turn"] is True
+    # Two workers hold the same prefix: no one previous turn.
+    s = make(3, options={**BASE, "continuity": 0.5})
+    hold(s.index, endpoint(0), k[:8])
+    hold(s.index, endpoint(1), k[:8])
+    d = s.policy.decide(request(k), list(s.pool))
+    assert not any(c.as_dict()["terms"]["previous_turn"] for c in d.candidates)
+    # A short shared prefix (under continuity_min_match) names no previous turn either.
+    s = make(2, options={**BASE, "continuity": 0.5})
+    hold(s.index, endpoint(0), k[:2])
+    d = s.policy.decide(request(k), list(s.pool))
+    assert not any(c.as_dict()["terms"]["previous_turn"] for c in d.candidates)
+
+
+def test_live_sessions_counted_per_worker() -> None:
+    ss = Sessions(max_sessions=10, ttl_s=10.0)
+    ss.put("s1", "a", 0.0)
+    ss.put("s2", "a", 1.0)
+    ss.put("s1", "b", 2.0)  # s1 moved
+    assert (ss.live("a"), ss.live("b")) == (1, 1)
+    ss.put("s3", "b", 12.0)  # s2 idle past the TTL: dropped
+    assert (ss.live("a"), ss.live("b")) == (0, 2)
+
+
+def test_session_spread_places_a_new_session_away_from_busy_hosts() -> None:
+    """W0 holds the shared system prompt (8 of 10 blocks) and already serves two sessions.
+
+    Without spread the new session goes to W0 (cost 2 + 10 vs 10 + 10). With spread 1,
+    W0's cost is x (1 + 2 / 1) = 36 and the new session goes to W1; an old session's next
+    turn is not spread (it follows its previous worker).
+    """
+    k = keys(10)
+    for spread, winner in ((0.0, 0), (1.0, 1)):
+        s = make(2, options={**BASE, "session_spread": spread, "continuity": 0.1})
+        hold(s.index, endpoint(0), k[:8])
+        scorer = s.policy.scorers[0]
+        now = s.policy.clock()
+        scorer.sessions.put("old1", endpoint(0), now)
+        scorer.sessions.put("old2", endpoint(0), now)
+        d = s.policy.decide(request(k, session_id="new"), list(s.pool))
+        assert d.endpoint == endpoint(winner)
+        d = s.policy.decide(request(keys(10, base=7000), session_id="old1"), list(s.pool))
+        assert d.endpoint == endpoint(0)
+
+
+def test_kv_ships_the_fleet_terms_approx_keeps_the_plain_cost() -> None:
+    kv = make(2, plain=False).policy.scorers[0].options
+    approx = make(2, policy="approx").policy.scorers[0].options
+    assert (kv.duplicate_cost, kv.continuity, kv.credit_decay) == (12.0, 0.6, 0.05)
+    assert kv.session_spread > 0 and not kv.block_life and kv.unit == "blocks"
+    assert (approx.duplicate_cost, approx.continuity, approx.session_spread) == (0, 0, 0)
+    assert approx.credit_decay == 0.1
