@@ -482,6 +482,10 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if config.server.event_loop == "uvloop":
+        import uvloop  # only imported when configured
+
+        return uvloop.run(serve(config))
     return asyncio.run(serve(config))
 
 

@@ -4,6 +4,9 @@
 - `transport`: the one parametrized fixture for `server.extproc_transport`; a test (or a
   fixture such as the ext_proc `harness` or the e2e `scorer`) that asks for it runs once
   per transport, asyncio and grpcio.
+- event loops: async tests in the modules of `BOTH_LOOPS` (the transport and Envoy paths)
+  run once per event loop, asyncio and uvloop (`server.event_loop`); every other test runs
+  on asyncio's.
 - `envoy` marker: put on every test that uses a fixture starting a real Envoy (found from
   the fixture's code), so `make test-quick` (`-m "not envoy and not slow"`) starts none.
   A test that starts Envoy itself carries the marker explicitly; one that forgets fails:
@@ -14,17 +17,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import pytest
+import uvloop
 from hypothesis import HealthCheck, settings
 
 from kvscorer_tools.envoyrun import FORBID_ENVOY_ENV
 
 TRANSPORTS = ("asyncio", "grpcio")
+# Test modules whose async tests run on both event loops (pytest-asyncio loop factories).
+BOTH_LOOPS = ("test_e2e_envoy.py", "test_tls.py", "test_e2e_response_bodies.py")
 # What a fixture calls to run the Envoy binary (kvscorer_tools.envoyrun).
 _ENVOY_CALLS = ("EnvoyProcess(", "validate_config(")
 
@@ -55,6 +62,15 @@ settings.load_profile("ci")
 def transport(request: pytest.FixtureRequest) -> str:
     """`server.extproc_transport` under test (module scope: module fixtures may use it)."""
     return str(request.param)
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """asyncio and uvloop for the modules of `BOTH_LOOPS`, asyncio alone elsewhere."""
+    if item.path.name in BOTH_LOOPS:
+        return {"asyncio_loop": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio_loop": asyncio.new_event_loop}
 
 
 def _starts_envoy(func: Any) -> bool:

@@ -89,3 +89,13 @@ def test_policy_options_reach_the_policy() -> None:
     app = App(cfg)
     assert app.policy.name == "least_loaded"
     assert app.policy.options.fallbacks == 2  # type: ignore[attr-defined]
+
+
+def test_event_loop_is_validated_and_defaults_to_asyncio() -> None:
+    assert load_config(None).server.event_loop == "asyncio"
+    assert (
+        load_config(None, overrides={"server": {"event_loop": "uvloop"}}).server.event_loop
+        == "uvloop"
+    )
+    with pytest.raises(ConfigError, match=r"server\.event_loop"):
+        load_config(None, overrides={"server": {"event_loop": "trio"}})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from scorer.extproc.transport.frames import (
     ACK,
@@ -126,7 +126,9 @@ class H2Connection(asyncio.Protocol):
     # ------------------------------------------------------------ asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A cast, not an isinstance check: uvloop's transports implement asyncio.Transport
+        # without subclassing it (the check failed every connection: Envoy's 500s).
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         server = self.server
         if len(server.connections) >= self.limits.max_connections:

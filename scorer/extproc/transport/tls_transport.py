@@ -15,7 +15,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 log = logging.getLogger("scorer.extproc.transport")
 
@@ -56,7 +56,9 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
     # ------------------------------------------------------------ socket side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A cast, not an isinstance check: uvloop's transports implement asyncio.Transport
+        # without subclassing it (the check failed every connection: Envoy's 500s).
+        transport = cast(asyncio.Transport, transport)
         self._raw = transport
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(self._timeout, self._handshake_timeout)
