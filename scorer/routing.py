@@ -97,8 +97,9 @@ class CandidateScore:
     # Blocks of the best candidate's cached prefix this one would write a second time
     # (the cost's duplicate_cost term; 0 when that term is off).
     duplicate_blocks: float = 0.0
-    # The cost's fleet terms (scorer.policy.cost.CandidateTerms: predicted TTFT, block
-    # life, previous turn), when the cost computed them.
+    # The cost's fleet terms (predicted TTFT, block life, previous turn), when the cost
+    # computed them: (scorer.policy.cost.FleetTerms, candidate index), built into a
+    # CandidateTerms only when the row is shown.
     terms: Any = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -125,7 +126,10 @@ class CandidateScore:
     def _terms(self) -> dict[str, Any]:
         # The cost's fleet terms, under one key, only when the cost computed them.
         t = self.terms
-        return {} if t is None else {"terms": t.as_dict()}
+        if t is None:
+            return {}
+        table, i = t
+        return {"terms": table.terms(i).as_dict()}
 
 
 @dataclass(slots=True)

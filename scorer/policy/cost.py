@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import Field
@@ -245,6 +245,10 @@ class FleetInputs:
     # Live sessions per eligible candidate (parallel to eligible) when the request opens a
     # new session and session_spread is on; else None.
     sessions: list[int] | None = None
+    # The prefill model's current line in seconds (intercept, per token, min, max),
+    # scorer.pool.prefill.PrefillModel.estimate: when given, `prefill_ms` is evaluated
+    # inline for every candidate (no call per candidate), with the same arithmetic.
+    prefill_line: tuple[float, float, float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -268,6 +272,30 @@ class CandidateTerms:
         }
 
 
+@dataclass(slots=True)
+class FleetTerms:
+    """One decision's fleet terms as arrays (parallel to `eligible`).
+
+    A candidate's `CandidateTerms` is built only when its explanation row is shown
+    (`terms(i)`), not per candidate per decision: the decision log keeps rows that are
+    rarely read.
+    """
+
+    eligible: Sequence[int]
+    predicted_ttft_ms: list[float]
+    previous: int | None = None
+    life: dict[int, tuple[float, float | None, float | None]] = field(default_factory=dict)
+
+    def terms(self, i: int) -> CandidateTerms:
+        """Candidate index `i`'s terms (i must be eligible)."""
+        t = CandidateTerms(predicted_ttft_ms=self.predicted_ttft_ms[self.eligible.index(i)])
+        t.previous_turn = i == self.previous
+        got = self.life.get(i)
+        if got is not None:
+            t.life_factor, t.block_life_s, t.chain_age_s = got
+        return t
+
+
 def dynamo_costs(
     candidates: Sequence[Worker],
     eligible: Sequence[int],
@@ -278,8 +306,7 @@ def dynamo_costs(
     stale: Callable[[Worker], bool] | None = None,
     duplicate_out: dict[int, float] | None = None,
     fleet: FleetInputs | None = None,
-    terms_out: dict[int, CandidateTerms] | None = None,
-) -> tuple[list[float], dict[int, CostRow], bool]:
+) -> tuple[list[float], dict[int, CostRow], bool, FleetTerms | None]:
     """THE cost function (module doc), for each eligible candidate in order.
 
     Returns the costs (parallel to `eligible`), per candidate with a cached prefix the
@@ -287,8 +314,8 @@ def dynamo_costs(
     `stale(w)` says whether w's cache signal is to be trusted less (a silent or gapped
     event stream). With `duplicate_cost` > 0, `duplicate_out` (when given) receives each
     eligible candidate's duplicated blocks (for its explanation row). `fleet` feeds the
-    block-life, predicted-TTFT and continuity terms; `terms_out` receives them per
-    eligible candidate.
+    block-life, predicted-TTFT and continuity terms, returned last (None without `fleet`)
+    for the explanation rows.
     """
     pfs, dcs = table.prefill, table.decode
     load_min = min([pfs[i] + dcs[i] for i in eligible])
@@ -330,7 +357,9 @@ def dynamo_costs(
                 weighted = sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
             rows[i] = (m, weighted, credit, is_stale)
             p -= credit * weighted
-            u = max(request_blocks - credit * weighted, 0.0)
+            u = request_blocks - credit * weighted
+            if u < 0.0:
+                u = 0.0
         uncached.append(u)
         add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
     dup = opts.duplicate_cost
@@ -341,18 +370,18 @@ def dynamo_costs(
         # A stale stream's blocks may be gone: they count with stale_credit here too.
         held = {i: r[1] * (stale_credit if r[3] else 1.0) for i, r in rows.items()}
         best = max(held.values())
-        for k, i in enumerate(eligible):
-            extra = best - held.get(i, 0.0)
-            if extra > 0.0:
-                dup_cost[k] = dup * extra
-                costs[k] += dup_cost[k]
-            if duplicate_out is not None:
-                duplicate_out[i] = extra
+        hget = held.get
+        extras = [best - hget(i, 0.0) for i in eligible]  # >= 0: best is the largest
+        dup_cost = [dup * e for e in extras]
+        costs = [c + d for c, d in zip(costs, dup_cost, strict=True)]
+        if duplicate_out is not None:
+            duplicate_out.update(zip(eligible, extras, strict=True))
+    terms = None
     if fleet is not None:
-        _fleet_terms(
-            costs, eligible, pfs, dcs, uncached, dup_cost, request_blocks, opts, fleet, terms_out
+        terms = _fleet_terms(
+            costs, eligible, pfs, dcs, uncached, dup_cost, request_blocks, opts, fleet
         )
-    return costs, rows, stale_any
+    return costs, rows, stale_any, terms
 
 
 def _fleet_terms(
@@ -365,11 +394,9 @@ def _fleet_terms(
     request_blocks: float,
     opts: CostModelOptions,
     fleet: FleetInputs,
-    terms_out: dict[int, CandidateTerms] | None,
-) -> None:
+) -> FleetTerms:
     """Predicted TTFT (and the ms unit) and conversation continuity, in place."""
     bs = fleet.block_size
-    est = fleet.prefill_ms
     ms_mode = opts.unit == "ms"
     pls = opts.prefill_load_scale
     # One cost block (a decode block; a prefill block is pls of them) in ms.
@@ -377,45 +404,40 @@ def _fleet_terms(
     dms = opts.decode_ms_per_block
     if dms is None:
         dms = per_block
-    for k, i in enumerate(eligible):
-        # Queue ahead (the prefill of what is routed there and not yet started) plus this
-        # request's uncached tokens, through the fitted prefill model.
-        ttft = est((pfs[i] + uncached[k]) * bs)
-        if ms_mode:
-            # + the batch it joins (the decode blocks running there: Dynamo's decode
-            # term) + the duplicate term, both converted to ms.
-            costs[k] = ttft + dms * (dcs[i] + request_blocks) + per_block * dup_cost[k]
-        if terms_out is not None:
-            t = terms_out.get(i)
-            if t is None:
-                t = terms_out[i] = CandidateTerms()
-            t.predicted_ttft_ms = ttft
+    # Queue ahead (the prefill of what is routed there and not yet started) plus this
+    # request's uncached tokens, through the fitted prefill model.
+    queued = [(pfs[i] + u) * bs for i, u in zip(eligible, uncached, strict=True)]
+    line = fleet.prefill_line
+    if line is None:
+        ttfts = [fleet.prefill_ms(q) for q in queued]
+    else:
+        a, b, lo, hi = line
+        ttfts = [1000.0 * min(max(a + b * (q if q > 0.0 else 0.0), lo), hi) for q in queued]
+    if ms_mode:
+        # + the batch it joins (the decode blocks running there: Dynamo's decode term)
+        # + the duplicate term, both converted to ms.
+        for k, i in enumerate(eligible):
+            costs[k] = ttfts[k] + dms * (dcs[i] + request_blocks) + per_block * dup_cost[k]
     prev = fleet.previous
     c = opts.continuity
     if prev is not None and c > 0.0:
         for k, i in enumerate(eligible):
             if i == prev:
                 costs[k] *= 1.0 - c
-                if terms_out is not None:
-                    t = terms_out.get(i)
-                    if t is None:
-                        t = terms_out[i] = CandidateTerms()
-                    t.previous_turn = True
                 break
+        else:
+            prev = None
+    else:
+        prev = None
     live = fleet.sessions
     spread = opts.session_spread
     if live is not None and spread > 0.0:
-        lo = min(live)
-        unit = max(lo, 1)
+        lo_live = min(live)
+        unit = max(lo_live, 1)
         for k in range(len(eligible)):
-            if live[k] > lo:
-                costs[k] *= 1.0 + spread * (live[k] - lo) / unit
-    if terms_out is not None and fleet.life:
-        for i, (f, life_s, age_s) in fleet.life.items():
-            t = terms_out.get(i)
-            if t is None:
-                t = terms_out[i] = CandidateTerms()
-            t.life_factor, t.block_life_s, t.chain_age_s = f, life_s, age_s
+            if live[k] > lo_live:
+                costs[k] *= 1.0 + spread * (live[k] - lo_live) / unit
+    return FleetTerms(eligible, ttfts, prev, fleet.life)
 
 
 def pick(

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
-from scorer.policy.cost import BusyOptions, CandidateTerms, CostRow, LoadTable, load_table
+from scorer.policy.cost import BusyOptions, CostRow, FleetTerms, LoadTable, load_table
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.routing import Reason, RoutingRequest
 
@@ -66,7 +66,7 @@ class Cycle:
     duplicate_blocks: dict[int, float] = field(default_factory=dict)
     # Per candidate index: predicted TTFT, block life, continuity (dynamo_cost's fleet
     # terms), for the explanation rows.
-    fleet_terms: dict[int, CandidateTerms] = field(default_factory=dict)
+    fleet_terms: FleetTerms | None = None
     _load: LoadTable | None = None
     _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
 

@@ -323,6 +323,9 @@ class Profile(Policy):
         if cycle.duplicate_blocks:
             for i, extra in cycle.duplicate_blocks.items():
                 rows[i].duplicate_blocks = extra
-        for i, t in cycle.fleet_terms.items():
-            rows[i].terms = t
+        ft = cycle.fleet_terms
+        if ft is not None:
+            # (table, candidate index): the row's terms are built when it is shown.
+            for i in ft.eligible:
+                rows[i].terms = (ft, i)
         return rows

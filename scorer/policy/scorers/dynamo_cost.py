@@ -89,7 +89,7 @@ class DynamoCost(Scorer):
                 return self.stream_stale(w, now)
 
         matches = cycle.matches(self.index())
-        costs, rows, stale_any = dynamo_costs(
+        costs, rows, stale_any, terms = dynamo_costs(
             cycle.candidates,
             cycle.eligible,
             cycle.load,
@@ -99,8 +99,8 @@ class DynamoCost(Scorer):
             stale,
             cycle.duplicate_blocks,
             self.fleet(cycle, matches) if self._fleet_on else None,
-            cycle.fleet_terms,
         )
+        cycle.fleet_terms = terms
         cycle.cost_rows = rows
         cycle.stale_any = stale_any
         return costs
@@ -143,7 +143,15 @@ class DynamoCost(Scorer):
         sid = cycle.request.session_id
         if ss is not None and sid and o.session_spread > 0.0 and ss.get(sid, now) is None:
             live = [ss.live(cands[i].endpoint) for i in cycle.eligible]
-        return FleetInputs(prefill_ms, 1000.0 * model.b * bs, bs, life, previous, live)
+        return FleetInputs(
+            prefill_ms,
+            1000.0 * model.b * bs,
+            bs,
+            life,
+            previous,
+            live,
+            (model.a, model.b, model.min_s, model.max_s),
+        )
 
     def _previous(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> int | None:
         """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible."""
@@ -159,6 +167,19 @@ class DynamoCost(Scorer):
         keys = cycle.request.block_keys
         if not matches or not keys:
             return None
+        if len(cycle.eligible) == len(cands):
+            # Nothing filtered: walk the matches (often fewer than the candidates), then
+            # find the one winner's index.
+            top, ep, count = 0, None, 0
+            for e, mm in matches.items():
+                b = mm.blocks
+                if b > top:
+                    top, ep, count = b, e, 1
+                elif b == top and b > 0:
+                    count += 1
+            if ep is None or count > 1 or top < self.options.continuity_min_match * len(keys):
+                return None
+            return next((i for i, w in enumerate(cands) if w.endpoint == ep), None)
         best, at, n = 0, None, 0
         for i in cycle.eligible:
             m = matches.get(cands[i].endpoint)
