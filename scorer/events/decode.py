@@ -23,7 +23,7 @@ a good batch is skipped and reported in `EventBatch.errors`, so the rest still a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -208,34 +208,52 @@ _GPU_ONLY = {None: "GPU", "GPU": "GPU"}
 
 def _fast_payload(payload: bytes) -> EventBatch | None:
     """The typed decode of a well-formed batch, or None (then the generic path runs)."""
-    for i, dec in enumerate(_typed):
+    return _typed_batch(payload, _typed, _MStored, _AStored, None)
+
+
+def _typed_batch(
+    payload: bytes,
+    decoders: list[msgspec.msgpack.Decoder[Any]],
+    m_stored: type[_MStored],
+    a_stored: type[_AStored],
+    tokens: Callable[[Any], Any] | None,
+) -> EventBatch | None:
+    """The typed decode loop both fast paths share: `decoders` (map era, array era: the
+    one that worked last goes first), the BlockStored struct of each era, and `tokens`
+    turning a struct's token_ids into the event's (None: kept as decoded; a None result
+    sends the payload to the generic path)."""
+    for i, dec in enumerate(decoders):
         try:
-            raw: _ABatch | _MBatch = dec.decode(payload)
+            raw = dec.decode(payload)
         except (msgspec.DecodeError, ValueError, TypeError):
             continue
         except RecursionError:  # a hostile frame nested thousands deep
             raise DecodeError("depth", "payload nested too deep") from None
         if i:  # the other era is probably what this publisher sends next time as well
-            _typed.reverse()
+            decoders.reverse()
         out: list[Event] = []
         append = out.append
         for e in raw.events:
-            if type(e) is _MStored or type(e) is _AStored:
+            if type(e) is m_stored or type(e) is a_stored:
+                toks = e.token_ids
+                if tokens is not None:
+                    toks = tokens(toks)
+                    if toks is None:
+                        return None
                 mraw = e.medium
-                med = _GPU_ONLY.get(mraw) or normalize_medium(mraw)
                 append(
                     BlockStored(
                         e.block_hashes,
                         e.parent_block_hash,
-                        e.token_ids,
+                        toks,
                         e.block_size,
                         e.lora_id,
-                        med,
+                        _GPU_ONLY.get(mraw) or normalize_medium(mraw),
                         mraw,
                         e.lora_name,
                         e.extra_keys,
                         e.group_idx,
-                        e.cache_salt if type(e) is _MStored else None,
+                        e.cache_salt if type(e) is m_stored else None,
                     )
                 )
             elif type(e) is _MRemoved or type(e) is _ARemoved:
@@ -288,48 +306,7 @@ def _fast_payload_native(payload: bytes) -> EventBatch | None:
     """`_fast_payload` with token ids unpacked by the compiled code, or None (the generic
     path runs). Requires `scorer.native`."""
     assert NATIVE is not None
-    uint32s = NATIVE.msgpack_uint32s
-    for i, dec in enumerate(_typed_raw):
-        try:
-            raw: _ABatchRaw | _MBatchRaw = dec.decode(payload)
-        except (msgspec.DecodeError, ValueError, TypeError):
-            continue
-        except RecursionError:
-            raise DecodeError("depth", "payload nested too deep") from None
-        if i:
-            _typed_raw.reverse()
-        out: list[Event] = []
-        append = out.append
-        for e in raw.events:
-            if type(e) is _MStoredRaw or type(e) is _AStoredRaw:
-                toks = uint32s(e.token_ids)
-                if toks is None:
-                    return None
-                mraw = e.medium
-                append(
-                    BlockStored(
-                        e.block_hashes,
-                        e.parent_block_hash,
-                        toks,
-                        e.block_size,
-                        e.lora_id,
-                        _GPU_ONLY.get(mraw) or normalize_medium(mraw),
-                        mraw,
-                        e.lora_name,
-                        e.extra_keys,
-                        e.group_idx,
-                        e.cache_salt if type(e) is _MStoredRaw else None,
-                    )
-                )
-            elif type(e) is _MRemoved or type(e) is _ARemoved:
-                mraw = e.medium
-                med = _GPU_ONLY.get(mraw) or normalize_medium(mraw)
-                append(BlockRemoved(e.block_hashes, med, mraw, e.group_idx))
-            else:
-                m = e.medium
-                append(AllBlocksCleared(None if m is None else normalize_medium(m)))
-        return EventBatch(raw.ts, out, raw.data_parallel_rank)
-    return None
+    return _typed_batch(payload, _typed_raw, _MStoredRaw, _AStoredRaw, NATIVE.msgpack_uint32s)
 
 
 def _hash(v: object, what: str) -> Hash:
