@@ -167,31 +167,22 @@ class DynamoCost(Scorer):
         keys = cycle.request.block_keys
         if not matches or not keys:
             return None
-        if len(cycle.eligible) == len(cands):
-            # Nothing filtered: walk the matches (often fewer than the candidates), then
-            # find the one winner's index.
-            top, ep, count = 0, None, 0
-            for e, mm in matches.items():
-                b = mm.blocks
-                if b > top:
-                    top, ep, count = b, e, 1
-                elif b == top and b > 0:
-                    count += 1
-            if ep is None or count > 1 or top < self.options.continuity_min_match * len(keys):
-                return None
-            return next((i for i, w in enumerate(cands) if w.endpoint == ep), None)
-        best, at, n = 0, None, 0
-        for i in cycle.eligible:
-            m = matches.get(cands[i].endpoint)
-            b = 0 if m is None else m.blocks
-            if b > best:
-                best, at, n = b, i, 1
-            elif b == best and b > 0:
-                n += 1
+        held = matches
+        if len(cycle.eligible) != len(cands):
+            # Only the eligible candidates' prefixes count.
+            eps = (cands[i].endpoint for i in cycle.eligible)
+            held = {e: m for e in eps if (m := matches.get(e)) is not None}
+        top, ep, count = 0, None, 0
+        for e, mm in held.items():
+            b = mm.blocks
+            if b > top:
+                top, ep, count = b, e, 1
+            elif b == top and b > 0:
+                count += 1
         # A prefix held by several workers (a shared system prompt) names no one turn.
-        if at is None or n > 1 or best < self.options.continuity_min_match * len(keys):
+        if ep is None or count > 1 or top < self.options.continuity_min_match * len(keys):
             return None
-        return at
+        return next((i for i in cycle.eligible if cands[i].endpoint == ep), None)
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
