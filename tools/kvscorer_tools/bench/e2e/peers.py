@@ -42,45 +42,32 @@ class PeerError(RuntimeError):
     """A peer router is not installed or could not be started."""
 
 
+# Each launcher's name for its quietest useful log level.
+_LOG_LEVEL = {"sglang_router": "warn", "vllm_router": "warning"}
+
+
 def peer_argv(name: str, fleet: SimFleet, settings: E2ESettings, port: int) -> list[str]:
     """The command line of peer `name` fronting `fleet` on `port`."""
-    urls = [s.url for s in fleet.specs]
-    metrics_port = str(free_port())  # both default to a fixed Prometheus port; avoid clashes
     module, policy = PEER_POLICIES.get(name, ("", ""))
-    if module == "sglang_router":
-        return [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *urls,
-            "--policy", policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
-            "--log-level", "warn",
-        ]  # fmt: skip
-    if module == "vllm_router" and policy != "kv_aware":
-        return [
-            sys.executable, "-m", "vllm_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *urls,
-            "--policy", policy,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
-            "--log-level", "warning",
-        ]  # fmt: skip
-    if module == "vllm_router":
-        argv = [
-            sys.executable, "-m", "vllm_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *urls,
-            "--policy", "kv_aware",
-            "--kv-event-block-size", str(settings.block_size),
-            "--kv-event-model", "bench-model",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
-            "--log-level", "warning",
-        ]  # fmt: skip
+    if module not in _LOG_LEVEL:
+        raise PeerError(f"unknown peer {name!r} (known: {', '.join(PEER_POLICIES)})")
+    metrics_port = str(free_port())  # both default to a fixed Prometheus port; avoid clashes
+    argv = [
+        sys.executable, "-m", f"{module}.launch_router",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *(s.url for s in fleet.specs),
+        "--policy", policy,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", metrics_port,
+        "--log-level", _LOG_LEVEL[module],
+    ]  # fmt: skip
+    if module == "vllm_router" and policy == "kv_aware":
+        # vllm-router's kv_aware reads each worker's ZMQ KV events (and their replay).
+        argv += ["--kv-event-block-size", str(settings.block_size)]
+        argv += ["--kv-event-model", "bench-model"]
         for s in fleet.specs:
             argv += ["--kv-event-source", f"{s.url}={s.events}"]
             argv += ["--kv-event-replay-source", f"{s.url}={s.replay}"]
-        return argv
-    raise PeerError(f"unknown peer {name!r} (known: {', '.join(PEER_POLICIES)})")
+    return argv
 
 
 def start_peer(
