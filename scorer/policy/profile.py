@@ -283,13 +283,22 @@ class Profile(Policy):
         load = cycle.load
         pfs, dcs, wqs, kus = load.prefill, load.decode, load.waiting, load.kv_usage
         matches = cycle.shown_matches
-        cost_rows = cycle.cost_rows
+        table = cycle.cost
         filtered = cycle.filtered
         bs = cycle.block_size
+        n = len(cycle.candidates)
+        # Candidate index -> position in the cost table (None: not scored by it).
+        if table is None:
+            pos: Sequence[int | None] = [None] * n
+        elif len(table.eligible) == n:
+            pos = range(n)
+        else:
+            pos = [table.position(i) for i in range(n)]
         rows: list[CandidateScore] = []
         add = rows.append
         for i, w in enumerate(cycle.candidates):
-            got = cost_rows.get(i)
+            k = pos[i]
+            got = None if k is None or table is None else table.row(k)
             note: str | None = None
             if got is None:
                 # No cost row for this candidate: the match shown, neutral cost terms.
@@ -320,12 +329,12 @@ class Profile(Policy):
                     note,
                 )
             )
-        if cycle.duplicate_blocks:
-            for i, extra in cycle.duplicate_blocks.items():
-                rows[i].duplicate_blocks = extra
-        ft = cycle.fleet_terms
-        if ft is not None:
-            # (table, candidate index): the row's terms are built when it is shown.
-            for i in ft.eligible:
-                rows[i].terms = (ft, i)
+        if table is not None:
+            if table.best_held is not None:
+                for k, i in enumerate(table.eligible):
+                    rows[i].duplicate_blocks = table.duplicate(k)
+            if table.fleet is not None:
+                # (table, candidate index): the row's terms are built when it is shown.
+                for i in table.eligible:
+                    rows[i].terms = (table, i)
         return rows
