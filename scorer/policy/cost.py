@@ -56,6 +56,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import add
 from typing import Any, Literal
 
 from pydantic import Field
@@ -289,7 +290,6 @@ class CostTable:
     credit: list[float]  # credit multiplier (decay, stale stream, block life)
     stale: list[bool] | None  # stream stale (None: no stream check)
     stale_any: bool  # a cached candidate's credit was cut for a stale stream
-    cached: list[float]  # credit x weighted: the blocks the prefill term does not pay
     prefill: Sequence[float]  # active prefill blocks
     request_blocks: float
     # Duplicate term (None: off): the best held overlap and each candidate's held overlap.
@@ -299,10 +299,13 @@ class CostTable:
     fleet: FleetInputs | None = None
     ttft: list[float] | None = None
     previous: int | None = None  # candidate index whose cost got the continuity discount
+    every: bool = False  # every candidate is eligible (position k is candidate k)
     _pos: dict[int, int] | None = None
 
     def position(self, i: int) -> int | None:
         """Candidate index `i`'s position in `eligible` (None: not eligible)."""
+        if self.every:
+            return i if 0 <= i < len(self.eligible) else None
         pos = self._pos
         if pos is None:
             pos = self._pos = {c: k for k, c in enumerate(self.eligible)}
@@ -324,7 +327,7 @@ class CostTable:
 
     def uncached(self, k: int) -> float:
         """Position k's request blocks the prefill must compute."""
-        u = self.request_blocks - self.cached[k]
+        u = self.request_blocks - self.credit[k] * self.weighted[k]
         return u if u > 0.0 else 0.0
 
     def terms(self, i: int) -> CandidateTerms:
@@ -370,7 +373,8 @@ def dynamo_costs(
     rb = request_blocks
     n = len(eligible)
     pfs, dcs = table.prefill, table.decode
-    if n == len(candidates):  # nothing filtered: the load table's own columns
+    every = n == len(candidates)  # (eligible is ascending: position k is candidate k)
+    if every:  # nothing filtered: the load table's own columns
         pf, dc, cands, eps = pfs, dcs, candidates, endpoints
     else:
         pf = [pfs[i] for i in eligible]
@@ -381,7 +385,7 @@ def dynamo_costs(
     any_match = bool(matches) and not matches.keys().isdisjoint(eps)
 
     # Credit: 1 / (1 + decay * excess), excess in "least-loaded loads".
-    load = [a + b for a, b in zip(pf, dc, strict=True)]
+    load = list(map(add, pf, dc))
     load_min = min(load)
     decay = opts.credit_decay
     if decay > 0.0:
@@ -401,13 +405,13 @@ def dynamo_costs(
             credit = [c * sc if s else c for c, s in zip(credit, stale_flags, strict=True)]
     life = fleet.life if fleet is not None else None
     if life:
-        pos = range(n) if n == len(candidates) else {c: k for k, c in enumerate(eligible)}
+        pos = range(n) if every else {c: k for k, c in enumerate(eligible)}
         for i, got in life.items():
             k = pos[i]
             if ms[k] is not None:
                 credit[k] *= got[0]
 
-    # Overlap weighted by medium; the blocks the prefill term does not pay.
+    # Overlap weighted by medium.
     mcredit = opts.medium_credit
     if mcredit is None:
         weighted = [0.0 if m is None else m.weighted for m in ms]
@@ -417,8 +421,8 @@ def dynamo_costs(
             0.0 if m is None else sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
             for m in ms
         ]
-    cached = [c * w for c, w in zip(credit, weighted, strict=True)]
-    out = CostTable(eligible, [], ms, weighted, credit, stale_flags, stale_any, cached, pf, rb)
+    out = CostTable(eligible, [], ms, weighted, credit, stale_flags, stale_any, pf, rb)
+    out.every = every
 
     # Duplicate cost: duplicate_cost x (best held overlap - this one's). Off for a request
     # opening a new session: it continues no conversation, the prefix it shares (a system
@@ -437,11 +441,11 @@ def dynamo_costs(
         out.best_held, out.held = best, held
 
     # Dynamo's cost, + the duplicate term (dup 0: + 0.0, the same float):
-    #   prefill_load_scale * max(prefill + request - cached, 0) + decode + request.
+    #   prefill_load_scale * max(prefill + request - credit * weighted, 0) + decode + request.
     pls = opts.prefill_load_scale
     out.costs = [
-        pls * (p if (p := a + rb - x) > 0.0 else 0.0) + d + rb + dup * (best - h)
-        for a, d, x, h in zip(pf, dc, cached, held, strict=True)
+        pls * (p if (p := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
+        for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
     ]
     if fleet is not None:
         _fleet_terms(out, dc, opts, fleet, dup)

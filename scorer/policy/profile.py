@@ -182,7 +182,8 @@ class Profile(Policy):
         for f in self.filters:
             f.filter(cycle)
         filtered = cycle.filtered
-        eligible = [i for i in range(n) if filtered[i] is None]
+        # (A filtered candidate's entry is its reason, a non-empty string.)
+        eligible = [i for i in range(n) if filtered[i] is None] if any(filtered) else [*range(n)]
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
@@ -290,7 +291,7 @@ class Profile(Policy):
         # Candidate index -> position in the cost table (None: not scored by it).
         if table is None:
             pos: Sequence[int | None] = [None] * n
-        elif len(table.eligible) == n:
+        elif table.every:
             pos = range(n)
         else:
             pos = [table.position(i) for i in range(n)]

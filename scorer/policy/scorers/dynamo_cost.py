@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
@@ -40,6 +41,9 @@ class DynamoCostOptions(CostModelOptions):
     # source: decisions — how long a routed prefix counts as cached, and the key bound.
     ttl_s: float = Field(120.0, gt=0)
     max_keys: int = Field(1_000_000, ge=1)
+
+
+_blocks = attrgetter("blocks")
 
 
 @plugin("dynamo_cost")
@@ -180,7 +184,7 @@ class DynamoCost(Scorer):
             held = {e: m for i in cycle.eligible if (m := matches.get(e := eps[i])) is not None}
         if not held:
             return None
-        blocks = [m.blocks for m in held.values()]
+        blocks = list(map(_blocks, held.values()))
         top = max(blocks)
         # A prefix held by several workers (a shared system prompt) names no one turn.
         if top <= 0 or blocks.count(top) > 1 or top < self.options.continuity_min_match * len(keys):
