@@ -119,6 +119,13 @@ def register(subparsers: Any) -> None:
         "of hit rate and TTFT p99 per policy and peer",
     )
     p.add_argument(
+        "--cpu-split",
+        choices=["split", "off"],
+        default="split",
+        help="e2e: pin the router under test and the load generator to the first CPU and the "
+        "simulated workers to the others (split, default), or leave placement to the OS (off)",
+    )
+    p.add_argument(
         "--concurrency",
         type=int,
         default=256,
@@ -173,6 +180,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "policy_options": args.policy_options,
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
+        "cpu_split": args.cpu_split,
         "repeats": args.repeats,
         "workload_params": parse_params(args.param),
         "trace": args.trace,
@@ -270,6 +278,7 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
             max_num_seqs=args.max_num_seqs,
             seed=args.seed,
             concurrency=args.concurrency,
+            cpu_split=args.cpu_split,
             policy_options=args.policy_options,
             run_dir=out / "run" / f"cap-{cap or 'unbounded'}",
         )

@@ -7,6 +7,7 @@ contention. Linux /proc only (elsewhere: nothing is reported).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from collections.abc import Iterable, Mapping
@@ -70,3 +71,56 @@ class CpuMeter:
         out = {k: round(tree_cpu_s(v) - self.start[k], 2) for k, v in self.roles.items()}
         out["load_generator"] = round(self_cpu_s() - self.start_self, 2)
         return out
+
+
+# --- placement ------------------------------------------------------------------------
+
+
+def cpu_plan(mode: str, cpus: Iterable[int] | None = None) -> dict[str, set[int]] | None:
+    """Which CPUs each role of a run may use, or None (no pinning).
+
+    `mode` "split": the router under test (Envoy + scorer, or a peer) and the load
+    generator on the first CPU, the simulated engines on the others — on a 2-core machine
+    the eight Python sims otherwise delay every wake-up of the router's processes, a cost
+    that grows with the number of hops (Envoy + ext_proc + scorer: three processes; a peer:
+    one) and is not routing. With 4 CPUs or more the load generator gets the second CPU to
+    itself. "off": no pinning. Needs 2 CPUs at least (else None).
+    """
+    if mode == "off" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if mode != "split":
+        raise ValueError(f"unknown CPU placement {mode!r} (split, off)")
+    mine = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(mine) < 2:
+        return None
+    if len(mine) >= 4:
+        return {"router": {mine[0]}, "load_generator": {mine[1]}, "sims": set(mine[2:])}
+    return {"router": {mine[0]}, "load_generator": {mine[0]}, "sims": set(mine[1:])}
+
+
+def pin(pids: Iterable[int], cpus: set[int]) -> None:
+    """Put every thread of `pids` and of their descendants on `cpus` (threads and
+    children started later inherit it). Processes that are gone are skipped."""
+    stats: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                stats[int(entry)] = st[0]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    todo, seen = list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                os.sched_setaffinity(tid, cpus)
+        todo.extend(children.get(pid, ()))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvscorer_tools.bench.e2e import peers
 from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
-from kvscorer_tools.bench.e2e.cpu import CpuMeter
+from kvscorer_tools.bench.e2e.cpu import CpuMeter, cpu_plan, pin
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.scorer import DIAGNOSTICS, ScorerRun
@@ -43,6 +44,8 @@ def run_ours(
         router = [p.pid for p in (run.scorer,) if p is not None]
         if run.envoy is not None and run.envoy.proc is not None:
             router.append(run.envoy.proc.pid)
+        if settings.cpus is not None:
+            pin(router, settings.cpus["router"])
         cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": router})
         res = run_load(run.url, wl, settings, policy)
         cpu_s = cpu.done()
@@ -76,12 +79,21 @@ def run_e2e(
     every repeat failed gets {"error"}.
     """
     group = ProcGroup(settings.run_dir / "logs")
+    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    plan: dict[str, set[int]] | None = None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     missing: set[str] = set()
     try:
         fleet = SimFleet(group, settings)
         fleet.start()
         log(f"{len(fleet.specs)} simulated workers up")
+        plan = settings.cpus = cpu_plan(settings.cpu_split)
+        if plan is not None:
+            # The sims (and any process they start) on theirs; this process (the load
+            # generator) on its own; each router is pinned when it starts (run_ours, peers).
+            pin([p.pid for p in fleet.procs], plan["sims"])
+            pin([os.getpid()], plan["load_generator"])
+            log("CPUs: " + ", ".join(f"{k} {sorted(v)}" for k, v in plan.items()))
         for rep in range(repeats):
             for name in policies:
                 if name in missing:
@@ -110,6 +122,8 @@ def run_e2e(
                     missing.add(name)  # no use trying it again in the next repeats
     finally:
         group.stop_all()
+        if plan is not None:
+            pin([os.getpid()], mine)
     return {name: combine_repeats(rs) for name, rs in runs.items()}
 
 
