@@ -70,7 +70,7 @@ def test_run_e2e_interleaves_policies_over_repeats(
     monkeypatch.setattr(e2e_run, "SimFleet", Fleet)
     monkeypatch.setattr(e2e_run, "run_one", one)
     wl = load_workload("shared-prefix", groups=1, prompts_per_group=2)
-    settings = E2ESettings(run_dir=tmp_path)
+    settings = E2ESettings(run_dir=tmp_path, cpu_split="split")
     before = os.sched_getaffinity(0)
     out = e2e_run.run_e2e(
         wl, ["kv", "round_robin", "vllm_router_kv_aware"], settings, log=lambda _: None,
@@ -91,6 +91,7 @@ def test_cpu_plan_puts_router_and_sims_apart() -> None:
     four = cpu_plan("split", [0, 1, 2, 3])
     assert four == {"router": {0}, "load_generator": {1}, "sims": {2, 3}}
     assert cpu_plan("split", [3]) is None and cpu_plan("off", [0, 1]) is None
+    assert cpu_plan("nice", [0, 1]) is None  # nothing pinned: the sims are reniced
     with pytest.raises(ValueError, match="placement"):
         cpu_plan("spread", [0, 1])
 

@@ -120,10 +120,11 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--cpu-split",
-        choices=["split", "off"],
-        default="split",
-        help="e2e: pin the router under test and the load generator to the first CPU and the "
-        "simulated workers to the others (split, default), or leave placement to the OS (off)",
+        choices=["off", "nice", "split"],
+        default="off",
+        help="e2e: leave CPU placement to the OS (off, default); run the simulated workers at "
+        "a lower priority than the router and the load generator (nice); or pin the router "
+        "and the load generator to the first CPU, the workers to the others (split)",
     )
     p.add_argument(
         "--concurrency",

@@ -86,10 +86,10 @@ def cpu_plan(mode: str, cpus: Iterable[int] | None = None) -> dict[str, set[int]
     one) and is not routing. With 4 CPUs or more the load generator gets the second CPU to
     itself. "off": no pinning. Needs 2 CPUs at least (else None).
     """
-    if mode == "off" or not hasattr(os, "sched_getaffinity"):
+    if mode not in ("split", "off", "nice"):
+        raise ValueError(f"unknown CPU placement {mode!r} (off, nice, split)")
+    if mode != "split" or not hasattr(os, "sched_getaffinity"):
         return None
-    if mode != "split":
-        raise ValueError(f"unknown CPU placement {mode!r} (split, off)")
     mine = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
     if len(mine) < 2:
         return None
@@ -101,6 +101,21 @@ def cpu_plan(mode: str, cpus: Iterable[int] | None = None) -> dict[str, set[int]
 def pin(pids: Iterable[int], cpus: set[int]) -> None:
     """Put every thread of `pids` and of their descendants on `cpus` (threads and
     children started later inherit it). Processes that are gone are skipped."""
+    for tid in _threads(pids):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            os.sched_setaffinity(tid, cpus)
+
+
+def renice(pids: Iterable[int], niceness: int) -> None:
+    """Lower the priority of every thread of `pids` and their descendants (Linux nice
+    values are per thread; threads started later inherit them)."""
+    for tid in _threads(pids):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+
+
+def _threads(pids: Iterable[int]) -> list[int]:
+    """Thread ids of `pids` and of all their living descendants."""
     stats: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -111,6 +126,7 @@ def pin(pids: Iterable[int], cpus: set[int]) -> None:
     for pid, ppid in stats.items():
         children.setdefault(ppid, []).append(pid)
     todo, seen = list(pids), set()
+    out: list[int] = []
     while todo:
         pid = todo.pop()
         if pid in seen:
@@ -120,7 +136,6 @@ def pin(pids: Iterable[int], cpus: set[int]) -> None:
             tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
             continue
-        for tid in tids:
-            with contextlib.suppress(OSError):  # the thread ended meanwhile
-                os.sched_setaffinity(tid, cpus)
+        out.extend(tids)
         todo.extend(children.get(pid, ()))
+    return out

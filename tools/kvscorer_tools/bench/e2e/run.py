@@ -9,7 +9,7 @@ from typing import Any
 
 from kvscorer_tools.bench.e2e import peers
 from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
-from kvscorer_tools.bench.e2e.cpu import CpuMeter, cpu_plan, pin
+from kvscorer_tools.bench.e2e.cpu import CpuMeter, cpu_plan, pin, renice
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.scorer import DIAGNOSTICS, ScorerRun
@@ -21,6 +21,9 @@ from kvscorer_tools.bench.workloads import Workload
 # Send lag (wall ms, p99) above which a run is flagged: the load generator could not fire
 # requests on time, so the machine, not the router, set the latencies.
 LAG_WARN_WALL_MS = 50.0
+# --cpu-split nice: the sims' niceness (10: about a tenth of a router's CPU share when both
+# want the same core).
+SIMS_NICE = 10
 
 
 def run_ours(
@@ -87,6 +90,11 @@ def run_e2e(
         fleet = SimFleet(group, settings)
         fleet.start()
         log(f"{len(fleet.specs)} simulated workers up")
+        if settings.cpu_split == "nice":
+            # The sims yield to the router, Envoy and the load generator when they compete
+            # for a core, without losing any core to them when they do not.
+            renice([p.pid for p in fleet.procs], SIMS_NICE)
+            log(f"CPUs: sims at nice {SIMS_NICE}")
         plan = settings.cpus = cpu_plan(settings.cpu_split)
         if plan is not None:
             # The sims (and any process they start) on theirs; this process (the load
