@@ -4,7 +4,6 @@ real run through Envoy + the scorer + sims (slow, envoy)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,6 @@ def test_run_e2e_interleaves_policies_over_repeats(
 
     class Fleet:
         specs = [object(), object()]
-        procs: list[Any] = []
 
         def __init__(self, *_: object) -> None:
             pass
@@ -70,30 +68,15 @@ def test_run_e2e_interleaves_policies_over_repeats(
     monkeypatch.setattr(e2e_run, "SimFleet", Fleet)
     monkeypatch.setattr(e2e_run, "run_one", one)
     wl = load_workload("shared-prefix", groups=1, prompts_per_group=2)
-    settings = E2ESettings(run_dir=tmp_path, cpu_split="split")
-    before = os.sched_getaffinity(0)
+    settings = E2ESettings(run_dir=tmp_path)
     out = e2e_run.run_e2e(
         wl, ["kv", "round_robin", "vllm_router_kv_aware"], settings, log=lambda _: None,
         repeats=3,
     )  # fmt: skip
-    # The load generator was pinned for the run and is given its CPUs back.
-    assert os.sched_getaffinity(0) == before
     # A B C A B A B: interleaved; a peer that is not installed is not tried again.
     assert order == ["kv", "round_robin", "vllm_router_kv_aware", *["kv", "round_robin"] * 2]
     assert out["kv"]["hit_rate"] == 0.3 and out["kv"]["spread"]["hit_rate"] == [0.2, 0.4]
     assert "not installed" in out["vllm_router_kv_aware"]["error"]
-
-
-def test_cpu_plan_puts_router_and_sims_apart() -> None:
-    from kvscorer_tools.bench.e2e.cpu import cpu_plan
-
-    assert cpu_plan("split", [0, 1]) == {"router": {0}, "load_generator": {0}, "sims": {1}}
-    four = cpu_plan("split", [0, 1, 2, 3])
-    assert four == {"router": {0}, "load_generator": {1}, "sims": {2, 3}}
-    assert cpu_plan("split", [3]) is None and cpu_plan("off", [0, 1]) is None
-    assert cpu_plan("nice", [0, 1]) is None  # nothing pinned: the sims are reniced
-    with pytest.raises(ValueError, match="placement"):
-        cpu_plan("spread", [0, 1])
 
 
 def test_breakdown_pairs_repeated_prompts_in_order() -> None:

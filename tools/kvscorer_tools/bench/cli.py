@@ -119,14 +119,6 @@ def register(subparsers: Any) -> None:
         "of hit rate and TTFT p99 per policy and peer",
     )
     p.add_argument(
-        "--cpu-split",
-        choices=["off", "nice", "split"],
-        default="off",
-        help="e2e: leave CPU placement to the OS (off, default); run the simulated workers at "
-        "a lower priority than the router and the load generator (nice); or pin the router "
-        "and the load generator to the first CPU, the workers to the others (split)",
-    )
-    p.add_argument(
         "--concurrency",
         type=int,
         default=256,
@@ -181,7 +173,6 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "policy_options": args.policy_options,
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
-        "cpu_split": args.cpu_split,
         "repeats": args.repeats,
         "workload_params": parse_params(args.param),
         "trace": args.trace,
@@ -279,7 +270,6 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
             max_num_seqs=args.max_num_seqs,
             seed=args.seed,
             concurrency=args.concurrency,
-            cpu_split=args.cpu_split,
             policy_options=args.policy_options,
             run_dir=out / "run" / f"cap-{cap or 'unbounded'}",
         )

@@ -7,7 +7,6 @@ contention. Linux /proc only (elsewhere: nothing is reported).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 from collections.abc import Iterable, Mapping
@@ -71,71 +70,3 @@ class CpuMeter:
         out = {k: round(tree_cpu_s(v) - self.start[k], 2) for k, v in self.roles.items()}
         out["load_generator"] = round(self_cpu_s() - self.start_self, 2)
         return out
-
-
-# --- placement ------------------------------------------------------------------------
-
-
-def cpu_plan(mode: str, cpus: Iterable[int] | None = None) -> dict[str, set[int]] | None:
-    """Which CPUs each role of a run may use, or None (no pinning).
-
-    `mode` "split": the router under test (Envoy + scorer, or a peer) and the load
-    generator on the first CPU, the simulated engines on the others — on a 2-core machine
-    the eight Python sims otherwise delay every wake-up of the router's processes, a cost
-    that grows with the number of hops (Envoy + ext_proc + scorer: three processes; a peer:
-    one) and is not routing. With 4 CPUs or more the load generator gets the second CPU to
-    itself. "off": no pinning. Needs 2 CPUs at least (else None).
-    """
-    if mode not in ("split", "off", "nice"):
-        raise ValueError(f"unknown CPU placement {mode!r} (off, nice, split)")
-    if mode != "split" or not hasattr(os, "sched_getaffinity"):
-        return None
-    mine = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    if len(mine) < 2:
-        return None
-    if len(mine) >= 4:
-        return {"router": {mine[0]}, "load_generator": {mine[1]}, "sims": set(mine[2:])}
-    return {"router": {mine[0]}, "load_generator": {mine[0]}, "sims": set(mine[1:])}
-
-
-def pin(pids: Iterable[int], cpus: set[int]) -> None:
-    """Put every thread of `pids` and of their descendants on `cpus` (threads and
-    children started later inherit it). Processes that are gone are skipped."""
-    for tid in _threads(pids):
-        with contextlib.suppress(OSError):  # the thread ended meanwhile
-            os.sched_setaffinity(tid, cpus)
-
-
-def renice(pids: Iterable[int], niceness: int) -> None:
-    """Lower the priority of every thread of `pids` and their descendants (Linux nice
-    values are per thread; threads started later inherit them)."""
-    for tid in _threads(pids):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
-
-
-def _threads(pids: Iterable[int]) -> list[int]:
-    """Thread ids of `pids` and of all their living descendants."""
-    stats: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st is not None:
-                stats[int(entry)] = st[0]
-    children: dict[int, list[int]] = {}
-    for pid, ppid in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    todo, seen = list(pids), set()
-    out: list[int] = []
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        out.extend(tids)
-        todo.extend(children.get(pid, ()))
-    return out

@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
-from kvscorer_tools.bench.e2e.cpu import CpuMeter, pin
+from kvscorer_tools.bench.e2e.cpu import CpuMeter
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.settings import PEER_POLICIES, ROUTING_PEERS, E2ESettings
@@ -107,8 +107,6 @@ def run_peer(
         # token ids): it gets the same prompts as "t<id>" words (see completion_body).
         text = PEER_POLICIES[name][0] == "sglang_router"
         marks = log_marks(fleet.request_logs)
-        if settings.cpus is not None:
-            pin([proc.pid], settings.cpus["router"])
         cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": [proc.pid]})
         res = run_load(base + "/v1/completions", wl, settings, name, text)
         cpu_s = cpu.done()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvscorer_tools.bench.e2e import peers
 from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
-from kvscorer_tools.bench.e2e.cpu import CpuMeter, cpu_plan, pin, renice
+from kvscorer_tools.bench.e2e.cpu import CpuMeter
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.scorer import DIAGNOSTICS, ScorerRun
@@ -21,9 +20,6 @@ from kvscorer_tools.bench.workloads import Workload
 # Send lag (wall ms, p99) above which a run is flagged: the load generator could not fire
 # requests on time, so the machine, not the router, set the latencies.
 LAG_WARN_WALL_MS = 50.0
-# --cpu-split nice: the sims' niceness (10: about a tenth of a router's CPU share when both
-# want the same core).
-SIMS_NICE = 10
 
 
 def run_ours(
@@ -47,8 +43,6 @@ def run_ours(
         router = [p.pid for p in (run.scorer,) if p is not None]
         if run.envoy is not None and run.envoy.proc is not None:
             router.append(run.envoy.proc.pid)
-        if settings.cpus is not None:
-            pin(router, settings.cpus["router"])
         cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": router})
         res = run_load(run.url, wl, settings, policy)
         cpu_s = cpu.done()
@@ -82,26 +76,12 @@ def run_e2e(
     every repeat failed gets {"error"}.
     """
     group = ProcGroup(settings.run_dir / "logs")
-    mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    plan: dict[str, set[int]] | None = None
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
     missing: set[str] = set()
     try:
         fleet = SimFleet(group, settings)
         fleet.start()
         log(f"{len(fleet.specs)} simulated workers up")
-        if settings.cpu_split == "nice":
-            # The sims yield to the router, Envoy and the load generator when they compete
-            # for a core, without losing any core to them when they do not.
-            renice([p.pid for p in fleet.procs], SIMS_NICE)
-            log(f"CPUs: sims at nice {SIMS_NICE}")
-        plan = settings.cpus = cpu_plan(settings.cpu_split)
-        if plan is not None:
-            # The sims (and any process they start) on theirs; this process (the load
-            # generator) on its own; each router is pinned when it starts (run_ours, peers).
-            pin([p.pid for p in fleet.procs], plan["sims"])
-            pin([os.getpid()], plan["load_generator"])
-            log("CPUs: " + ", ".join(f"{k} {sorted(v)}" for k, v in plan.items()))
         for rep in range(repeats):
             for name in policies:
                 if name in missing:
@@ -130,8 +110,6 @@ def run_e2e(
                     missing.add(name)  # no use trying it again in the next repeats
     finally:
         group.stop_all()
-        if plan is not None:
-            pin([os.getpid()], mine)
     return {name: combine_repeats(rs) for name, rs in runs.items()}
 
 

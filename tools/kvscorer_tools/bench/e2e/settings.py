@@ -50,8 +50,3 @@ class E2ESettings:
     # Each sim logs its requests (`kv-scorer sim --request-log`) and each policy's entry
     # gets the TTFT breakdown per leg and per worker (breakdown.py).
     request_log: bool = True
-    # CPU placement of the run's processes: "off" (the OS decides), "nice" (sims at a lower
-    # priority) or "split" (router + load generator pinned apart from the sims; cpu.cpu_plan).
-    cpu_split: str = "off"
-    # The CPUs of each role, set by run_e2e from `cpu_split` (None: nothing pinned).
-    cpus: dict[str, set[int]] | None = None
