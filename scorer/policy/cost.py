@@ -229,11 +229,6 @@ def load_table(
     return LoadTable(pfs, dcs, wqs, kus, busys if check else None)
 
 
-# The cache side of one candidate's cost, as its explanation row shows it: (match, overlap
-# weighted by medium, credit multiplier, stale stream?).
-CostRow = tuple[MatchLike, float, float, bool]
-
-
 @dataclass(slots=True)
 class FleetInputs:
     """What the fleet terms read for one decision (built by the scorer from its state).
@@ -320,13 +315,21 @@ class CostTable:
             pos = self._pos = {c: k for k, c in enumerate(self.eligible)}
         return pos.get(i)
 
-    def row(self, k: int) -> CostRow | None:
-        """Position k's cache side (None: nothing cached)."""
-        m = self.matches[k]
-        if m is None:
-            return None
-        stale = self.stale is not None and self.stale[k]
-        return (m, self.weighted[k], self.credit[k], stale)
+    def by_candidate(
+        self, n: int
+    ) -> tuple[list[MatchLike | None], list[float], list[float], list[bool] | None]:
+        """matches, weighted, credit and stale indexed by candidate index (of `n`
+        candidates); a candidate not eligible has no match."""
+        if self.every:
+            return self.matches, self.weighted, self.credit, self.stale
+        ms: list[MatchLike | None] = [None] * n
+        wt, cr = [0.0] * n, [1.0] * n
+        st: list[bool] | None = None if self.stale is None else [False] * n
+        for k, i in enumerate(self.eligible):
+            ms[i], wt[i], cr[i] = self.matches[k], self.weighted[k], self.credit[k]
+            if st is not None and self.stale is not None:
+                st[i] = self.stale[k]
+        return ms, wt, cr, st
 
     def duplicate(self, k: int) -> float:
         """Blocks of the best cached prefix position k would write again (0: term off)."""
@@ -529,10 +532,11 @@ def pick(
             scale = (c_max - c_min) * temperature
             weights = [math.exp(-(c - c_min) / scale) for c in costs]
             return rng.choices(range(n), weights=weights)[0]
-    # Costs equal within float noise are ties.
+    # Costs equal within float noise are ties; none among the others: the lowest wins.
     limit = c_min + 1e-9 * max(1.0, abs(c_min))
-    if sum(map(limit.__ge__, costs)) == 1:
-        return costs.index(c_min)
+    j = costs.index(c_min)
+    if min([*costs[:j], *costs[j + 1 :]]) > limit:
+        return j
     tied = [i for i in range(n) if costs[i] <= limit]
     keyed = [(tiebreak(i), i) for i in tied]
     best = min(k for k, _ in keyed)

@@ -29,6 +29,7 @@ from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
 from scorer.policy.cost import BusyOptions
+from scorer.policy.parts import MatchLike
 from scorer.policy.plugin import Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
 from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
@@ -288,29 +289,28 @@ class Profile(Policy):
         filtered = cycle.filtered
         bs = cycle.block_size
         n = len(cycle.candidates)
-        # Candidate index -> position in the cost table (None: not scored by it).
+        # The cost's columns by candidate index (no cost: no cost rows).
         if table is None:
-            pos: Sequence[int | None] = [None] * n
-        elif table.every:
-            pos = range(n)
+            cms: list[MatchLike | None] = [None] * n
+            wts: list[float] = []
+            crs: list[float] = []
+            stales: list[bool] | None = None
         else:
-            pos = [table.position(i) for i in range(n)]
+            cms, wts, crs, stales = table.by_candidate(n)
         rows: list[CandidateScore] = []
         add = rows.append
-        for i, w in enumerate(cycle.candidates):
-            k = pos[i]
-            got = None if k is None or table is None else table.row(k)
+        for i, (w, m) in enumerate(zip(cycle.candidates, cms, strict=True)):
             note: str | None = None
-            if got is None:
+            if m is None:
                 # No cost row for this candidate: the match shown, neutral cost terms.
                 mm = matches.get(w.endpoint) if matches else None
                 blocks = 0 if mm is None else mm.blocks
                 by_medium = {} if mm is None else mm.by_medium
                 weighted, credit = 0.0, 1.0
             else:
-                m, weighted, credit, stale = got
                 blocks, by_medium = m.blocks, m.by_medium
-                if stale:
+                weighted, credit = wts[i], crs[i]
+                if stales is not None and stales[i]:
                     note = "stale_events"
             add(
                 CandidateScore(
@@ -331,9 +331,10 @@ class Profile(Policy):
                 )
             )
         if table is not None:
-            if table.best_held is not None:
-                for k, i in enumerate(table.eligible):
-                    rows[i].duplicate_blocks = table.duplicate(k)
+            best, held = table.best_held, table.held
+            if best is not None and held is not None:
+                for i, h in zip(table.eligible, held, strict=True):
+                    rows[i].duplicate_blocks = best - h
             if table.fleet is not None:
                 # (table, candidate index): the row's terms are built when it is shown.
                 for i in table.eligible:

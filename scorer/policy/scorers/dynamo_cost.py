@@ -167,9 +167,10 @@ class DynamoCost(Scorer):
         if ep is None:
             return None
         # Its candidate index, if it is eligible.
-        if ep not in eps:
+        try:
+            i = eps.index(ep)
+        except ValueError:
             return None
-        i = eps.index(ep)
         return i if len(eligible) == len(eps) or i in eligible else None
 
     def _longest_prefix(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> str | None:
