@@ -283,9 +283,9 @@ class CandidateTerms:
 @dataclass(slots=True)
 class CostTable:
     """One decision's cost, term by term, as columns parallel to `eligible` (position k
-    is candidate `eligible[k]`). The picker reads `costs`; the explanation rows read the
-    rest through `row`, `duplicate` and `terms`, built only for the rows that are built
-    or shown (the decision log keeps rows that are rarely read)."""
+    is candidate `eligible[k]`). The picker reads `costs`; the explanation rows, built
+    when the decision is first read, read the rest (`by_candidate`, `held`), and a row's
+    fleet terms (`terms`) only when it is shown."""
 
     eligible: Sequence[int]
     costs: list[float]
