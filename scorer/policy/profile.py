@@ -29,6 +29,7 @@ from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
 from scorer.policy.cost import BusyOptions
+from scorer.policy.parts import MatchLike
 from scorer.policy.plugin import Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
 from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
@@ -182,7 +183,8 @@ class Profile(Policy):
         for f in self.filters:
             f.filter(cycle)
         filtered = cycle.filtered
-        eligible = [i for i in range(n) if filtered[i] is None]
+        # (A filtered candidate's entry is its reason, a non-empty string.)
+        eligible = [i for i in range(n) if filtered[i] is None] if any(filtered) else [*range(n)]
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
@@ -283,24 +285,32 @@ class Profile(Policy):
         load = cycle.load
         pfs, dcs, wqs, kus = load.prefill, load.decode, load.waiting, load.kv_usage
         matches = cycle.shown_matches
-        cost_rows = cycle.cost_rows
+        table = cycle.cost
         filtered = cycle.filtered
         bs = cycle.block_size
+        n = len(cycle.candidates)
+        # The cost's columns by candidate index (no cost: no cost rows).
+        if table is None:
+            cms: list[MatchLike | None] = [None] * n
+            wts: list[float] = []
+            crs: list[float] = []
+            stales: list[bool] | None = None
+        else:
+            cms, wts, crs, stales = table.by_candidate(n)
         rows: list[CandidateScore] = []
         add = rows.append
-        for i, w in enumerate(cycle.candidates):
-            got = cost_rows.get(i)
+        for i, (w, m) in enumerate(zip(cycle.candidates, cms, strict=True)):
             note: str | None = None
-            if got is None:
+            if m is None:
                 # No cost row for this candidate: the match shown, neutral cost terms.
                 mm = matches.get(w.endpoint) if matches else None
                 blocks = 0 if mm is None else mm.blocks
                 by_medium = {} if mm is None else mm.by_medium
                 weighted, credit = 0.0, 1.0
             else:
-                m, weighted, credit, stale = got
                 blocks, by_medium = m.blocks, m.by_medium
-                if stale:
+                weighted, credit = wts[i], crs[i]
+                if stales is not None and stales[i]:
                     note = "stale_events"
             add(
                 CandidateScore(
@@ -320,12 +330,13 @@ class Profile(Policy):
                     note,
                 )
             )
-        if cycle.duplicate_blocks:
-            for i, extra in cycle.duplicate_blocks.items():
-                rows[i].duplicate_blocks = extra
-        ft = cycle.fleet_terms
-        if ft is not None:
-            # (table, candidate index): the row's terms are built when it is shown.
-            for i in ft.eligible:
-                rows[i].terms = (ft, i)
+        if table is not None:
+            best, held = table.best_held, table.held
+            if best is not None and held is not None:
+                for i, h in zip(table.eligible, held, strict=True):
+                    rows[i].duplicate_blocks = best - h
+            if table.fleet is not None:
+                # (table, candidate index): the row's terms are built when it is shown.
+                for i in table.eligible:
+                    rows[i].terms = (table, i)
         return rows
