@@ -98,7 +98,7 @@ class CandidateScore:
     # (the cost's duplicate_cost term; 0 when that term is off).
     duplicate_blocks: float = 0.0
     # The cost's fleet terms (predicted TTFT, block life, previous turn), when the cost
-    # computed them: (scorer.policy.cost.FleetTerms, candidate index), built into a
+    # computed them: (scorer.policy.cost.CostTable, candidate index), built into a
     # CandidateTerms only when the row is shown.
     terms: Any = None
 

@@ -130,6 +130,12 @@ class CostModelOptions(PolicyOptions):
     # worker's live sessions above the fewest, in units of max(fewest, 1) (module doc,
     # "Session spread"). 0: off.
     session_spread: float = Field(0.0, ge=0)
+    # What a live session weighs in session_spread: "sessions" (1 each) or "blocks" (its
+    # last request's blocks: its context, the prefill every later turn repeats).
+    session_weight: Literal["sessions", "blocks"] = "sessions"
+    # A session idle longer than this (s) no longer counts in session_spread (it has most
+    # likely ended); it is still remembered for continuity for 600 s.
+    session_live_s: float = Field(600.0, gt=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -239,9 +245,9 @@ class FleetInputs:
     block_size: int
     life: dict[int, tuple[float, float | None, float | None]]
     previous: int | None = None
-    # Live sessions per eligible candidate (parallel to eligible) when the request opens a
-    # new session and session_spread is on; else None.
-    sessions: list[int] | None = None
+    # Live session weight per eligible candidate (parallel to eligible) when the request
+    # opens a new session and session_spread is on; else None.
+    sessions: list[float] | None = None
 
     def ttft_ms(self, queued_tokens: float) -> float:
         """Predicted prefill ms of `queued_tokens` (PrefillModel.estimate's arithmetic)."""
@@ -259,6 +265,8 @@ class CandidateTerms:
     block_life_s: float | None = None
     chain_age_s: float | None = None
     previous_turn: bool = False
+    # session_spread's input: the candidate's live session weight (None: not applied).
+    live_sessions: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (a candidate row's `terms` in /debug/decisions)."""
@@ -268,6 +276,7 @@ class CandidateTerms:
             "block_life_s": None if self.block_life_s is None else round(self.block_life_s, 1),
             "chain_age_s": None if self.chain_age_s is None else round(self.chain_age_s, 1),
             "previous_turn": self.previous_turn,
+            "live_sessions": None if self.live_sessions is None else round(self.live_sessions, 1),
         }
 
 
@@ -344,6 +353,8 @@ class CostTable:
         else:
             ttft = fleet.ttft_ms((self.prefill[k] + self.uncached(k)) * fleet.block_size)
         t = CandidateTerms(predicted_ttft_ms=ttft, previous_turn=i == self.previous)
+        if fleet.sessions is not None:
+            t.live_sessions = fleet.sessions[k]
         got = fleet.life.get(i)
         if got is not None:
             t.life_factor, t.block_life_s, t.chain_age_s = got
@@ -489,7 +500,9 @@ def _fleet_terms(
     spread = opts.session_spread
     if live is not None and spread > 0.0:
         lo = min(live)
-        unit = max(lo, 1)
+        # "blocks": at least the new session's own size (an empty worker is not infinitely
+        # better than one holding one session like it).
+        unit = max(lo, out.request_blocks if opts.session_weight == "blocks" else 0.0, 1.0)
         costs = [
             c * (1.0 + spread * (s - lo) / unit) if s > lo else c
             for c, s in zip(costs, live, strict=True)

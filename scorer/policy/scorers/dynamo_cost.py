@@ -67,7 +67,7 @@ class DynamoCost(Scorer):
         # previous workers; the prefill model used until the director shares its fitted one.
         self.life = CacheLife(options.life_window_s) if options.block_life else None
         sessions = options.continuity > 0.0 or options.session_spread > 0.0
-        self.sessions = Sessions() if sessions else None
+        self.sessions = Sessions(live_s=options.session_live_s) if sessions else None
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
         if options.source == "decisions":
@@ -137,10 +137,11 @@ class DynamoCost(Scorer):
         previous: int | None = None
         if o.continuity > 0.0:
             previous = self._previous(cycle, matches)
-        live: list[int] | None = None
+        live: list[float] | None = None
         ss = self.sessions
         sid = cycle.request.session_id
         if ss is not None and sid and o.session_spread > 0.0 and ss.get(sid, now) is None:
+            ss.expire(now)
             eps = cycle.endpoints
             live = [ss.live(eps[i]) for i in cycle.eligible]
         return FleetInputs(
@@ -217,7 +218,8 @@ class DynamoCost(Scorer):
         w = cycle.candidates[winner]
         ep = w.endpoint
         if self.sessions is not None and cycle.request.session_id:
-            self.sessions.put(cycle.request.session_id, ep, cycle.now)
+            weight = cycle.request_blocks if self.options.session_weight == "blocks" else 1.0
+            self.sessions.put(cycle.request.session_id, ep, cycle.now, weight)
         if self.life is not None and keys:
             self._record_life(cycle, w, keys)
         if self.approx is not None:
