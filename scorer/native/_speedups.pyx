@@ -17,7 +17,10 @@ Every function raises the same exception classes as the pure code on bad input
 
 from cpython.array cimport array, clone
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check
+from cpython.array cimport resize_smart
+from cpython.dict cimport PyDict_Size
+from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_FromUnsignedLongLong
+from cpython.object cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
@@ -31,6 +34,22 @@ cdef extern from *:
     #else
     #define KV_BIG_ENDIAN 0
     #endif
+    static inline uint64_t kv_be32(const uint8_t* p) {
+        uint32_t x; memcpy(&x, p, 4);
+    #if KV_BIG_ENDIAN
+        return x;
+    #else
+        return __builtin_bswap32(x);
+    #endif
+    }
+    static inline uint64_t kv_be64(const uint8_t* p) {
+        uint64_t x; memcpy(&x, p, 8);
+    #if KV_BIG_ENDIAN
+        return x;
+    #else
+        return __builtin_bswap64(x);
+    #endif
+    }
     static inline uint32_t kv_le32(uint32_t x) {
     #if KV_BIG_ENDIAN
         return __builtin_bswap32(x);
@@ -77,11 +96,15 @@ cdef extern from *:
     int kv_fill_u32(list lst, Py_ssize_t total, uint32_t* buf) except -1
     uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
     uint32_t kv_le32(uint32_t x) nogil
+    uint64_t kv_be32(const uint8_t* p) nogil
+    uint64_t kv_be64(const uint8_t* p) nogil
     int KV_BIG_ENDIAN
 
 cdef array _U32 = array("I")
+cdef array _U64 = array("Q")
 cdef uint64_t MASK60 = (1ULL << 60) - 1
 cdef uint64_t U32MAX = 0xFFFFFFFFULL  # a typed constant: a bare literal this big is a Python int
+cdef uint64_t U64MAX = 0xFFFFFFFFFFFFFFFFULL
 
 
 cdef list _chain(const uint8_t* data, Py_ssize_t n, Py_ssize_t stride, uint64_t prev):
@@ -143,9 +166,9 @@ cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
     return v
 
 
-def msgpack_uint32s(raw):
-    """A msgpack array whose items are all ints in [0, 2**32) → array('I'); None for any
-    other value (the caller then decodes the payload on its generic path)."""
+cdef object _msgpack_uints(raw, array template, uint64_t vmax):
+    """A msgpack array whose items are all ints in [0, vmax] → an array like `template`
+    ('I' or 'Q'); None for any other value."""
     cdef Py_buffer view
     cdef const uint8_t* p
     cdef const uint8_t* end
@@ -154,7 +177,9 @@ def msgpack_uint32s(raw):
     cdef uint64_t v
     cdef int k
     cdef array out
-    cdef uint32_t* dst
+    cdef bint wide = template.ob_descr.itemsize == 8
+    cdef uint32_t* dst32 = NULL
+    cdef unsigned long long* dst64 = NULL
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
         p = <const uint8_t*>view.buf
@@ -175,42 +200,74 @@ def msgpack_uint32s(raw):
             return None
         if n > end - p:  # every item takes at least one byte
             return None
-        out = clone(_U32, n, False)
-        dst = out.data.as_uints
+        out = clone(template, n, False)
+        if wide:
+            dst64 = out.data.as_ulonglongs
+        else:
+            dst32 = out.data.as_uints
         for i in range(n):
             if p >= end:
                 return None
             b = p[0]
+            # The encodings senders use for token ids and hashes, one branch each
+            # (big-endian loads; `end - p` checked before every read).
             if b <= 0x7F:
-                dst[i] = b
+                v = b
                 p += 1
-                continue
-            if 0xCC <= b <= 0xCF:  # uint8/16/32/64
-                k = 1 << (b - 0xCC)
-                if end - p < 1 + k:
+            elif b == 0xCE:
+                if end - p < 5:
                     return None
-                v = _be(p + 1, k)
-                if v > U32MAX:
+                v = kv_be32(p + 1)
+                p += 5
+            elif b == 0xCD:
+                if end - p < 3:
                     return None
-                dst[i] = <uint32_t>v
-                p += 1 + k
-                continue
-            if 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
+                v = (<uint64_t>p[1] << 8) | p[2]
+                p += 3
+            elif b == 0xCF:
+                if end - p < 9:
+                    return None
+                v = kv_be64(p + 1)
+                p += 9
+            elif b == 0xCC:
+                if end - p < 2:
+                    return None
+                v = p[1]
+                p += 2
+            elif 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
                 k = 1 << (b - 0xD0)
                 if end - p < 1 + k:
                     return None
                 v = _be(p + 1, k)
-                if (v >> (8 * k - 1)) & 1 or v > U32MAX:
+                if (v >> (8 * k - 1)) & 1:
                     return None
-                dst[i] = <uint32_t>v
                 p += 1 + k
-                continue
-            return None
+            else:
+                return None
+            if v > vmax:
+                return None
+            if wide:
+                dst64[i] = v
+            else:
+                dst32[i] = <uint32_t>v
         if p != end:
             return None
         return out
     finally:
         PyBuffer_Release(&view)
+
+
+def msgpack_uint32s(raw):
+    """A msgpack array whose items are all ints in [0, 2**32) → array('I'); None for any
+    other value (the caller then decodes the payload on its generic path)."""
+    return _msgpack_uints(raw, _U32, U32MAX)
+
+
+def msgpack_uint64s(raw):
+    """A msgpack array whose items are all ints in [0, 2**64) → array('Q') (block hashes
+    of vLLM >= 0.10.2); None for any other value (negative int64 or bytes hashes: the
+    caller decodes them as a list)."""
+    return _msgpack_uints(raw, _U64, U64MAX)
 
 
 def engine_keys(list hashes):
@@ -456,3 +513,73 @@ cdef class EngineMap:
     def nbytes(self):
         """Bytes allocated (entries + index)."""
         return self.cap * 16 + ((1 << self.bits) * 4 if self.bits else 0)
+
+
+# ---- fused BlockStored → index (packed arrays, no Python int per block until the dict) -----
+
+cdef extern from "Python.h":
+    PyObject* PyDict_SetDefault(object d, object key, object default) except NULL
+
+
+def stored_chain(array tokens, array hashes, Py_ssize_t n, Py_ssize_t block_size,
+                 uint64_t seed, array keys_out, array ekeys_out):
+    """Append the keys of the first `n` blocks of `tokens` (array('I'), chained xxh3 from
+    `seed`, as `chain_keys`) to `keys_out` and the engine keys (h & MASK60) of the first `n`
+    `hashes` (array('Q')) to `ekeys_out` (both array('Q')). One C loop per event: the
+    fused BlockStored path of apply (scorer/events/apply.py). False when the inputs are not
+    those (the caller takes the reference path), True when appended."""
+    cdef Py_ssize_t i, k0, e0
+    cdef const uint8_t* data
+    cdef uint64_t prev = seed
+    cdef unsigned long long* ko
+    cdef unsigned long long* eo
+    cdef const unsigned long long* hs
+    if (KV_BIG_ENDIAN or block_size < 1 or n < 0
+            or tokens.ob_descr.typecode != b"I" or hashes.ob_descr.typecode != b"Q"
+            or keys_out.ob_descr.typecode != b"Q" or ekeys_out.ob_descr.typecode != b"Q"
+            or len(tokens) // block_size < n or len(hashes) < n):
+        return False
+    k0 = len(keys_out)
+    e0 = len(ekeys_out)
+    resize_smart(keys_out, k0 + n)
+    resize_smart(ekeys_out, e0 + n)
+    ko = keys_out.data.as_ulonglongs + k0
+    eo = ekeys_out.data.as_ulonglongs + e0
+    hs = hashes.data.as_ulonglongs
+    data = <const uint8_t*>tokens.data.as_uints
+    for i in range(n):
+        prev = XXH3_64bits_withSeed(data + i * block_size * 4, <size_t>(block_size * 4), prev)
+        ko[i] = prev
+        eo[i] = hs[i] & MASK60
+    return True
+
+
+def index_add(dict d, EngineMap emap, array ekeys, array keys, object bit):
+    """`BlockIndex.add`'s insert for packed keys (array('Q') each): every (engine key, key)
+    pair into `emap` (insertion order as update_pairs), then every key absent from `d`
+    (a medium dict) inserted with `bit` (the slot's shared bit object). Returns (new keys,
+    [(key, mask)] of the keys already held under another mask object), for the caller to
+    add its bit to those masks as the reference code does."""
+    cdef Py_ssize_t i, n = min(len(ekeys), len(keys))
+    cdef Py_ssize_t before
+    cdef const unsigned long long* ek
+    cdef const unsigned long long* kk
+    cdef object ko
+    cdef PyObject* m
+    cdef list shared = []
+    if ekeys.ob_descr.typecode != b"Q" or keys.ob_descr.typecode != b"Q":
+        raise TypeError("index_add takes array('Q') keys")
+    ek = ekeys.data.as_ulonglongs
+    for i in range(n):
+        if ek[i] == _DEAD:
+            raise OverflowError("engine key out of range")
+        emap._put(ek[i], keys.data.as_ulonglongs[i])
+    kk = keys.data.as_ulonglongs
+    n = len(keys)
+    before = PyDict_Size(d)
+    for i in range(n):
+        ko = PyLong_FromUnsignedLongLong(kk[i])
+        m = PyDict_SetDefault(d, ko, bit)
+        if m != <PyObject*>bit:
+            shared.append((ko, <object>m))
+    return PyDict_Size(d) - before, shared

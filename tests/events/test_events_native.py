@@ -34,9 +34,12 @@ VECTOR_FRAMES = [
 
 
 def _norm(batch: EventBatch) -> Any:
-    """A batch with token ids as lists (the compiled decoder gives array('I'))."""
+    """A batch with token ids and block hashes as lists (the compiled decoder gives
+    array('I') / array('Q'))."""
     evs = [
-        replace(e, token_ids=list(e.token_ids)) if isinstance(e, BlockStored) else e
+        replace(e, token_ids=list(e.token_ids), block_hashes=list(e.block_hashes))
+        if isinstance(e, BlockStored)
+        else e
         for e in batch.events
     ]
     return (batch.ts, evs, batch.dp_rank, [(e.kind, e.detail) for e in batch.errors])
