@@ -145,7 +145,8 @@ class Applier:
         # The fused BlockStored path: packed hashes and tokens (the compiled decoder's)
         # chained and masked in one C loop into packed pending keys (scorer.native
         # `stored_chain`); the index inserts them in C when its maps are compiled too.
-        self._fused = NATIVE.stored_chain if use and hasher.native and index.native else None
+        fused = use and hasher.native and index.native
+        self._fused = NATIVE.stored_chain if fused and NATIVE is not None else None
         self.stats: dict[str, ApplyStats] = {}
 
     def _st(self, endpoint: str) -> ApplyStats:

@@ -468,6 +468,12 @@ def decode_payload(payload: bytes, native: bool | None = None) -> EventBatch:
     available; False: the pure-Python reference). Same events either way."""
     fast = None
     if NATIVE is not None and native is not False:
+        # One C pass for the common shapes, then the typed msgspec paths for the rest.
+        got = NATIVE.decode_batch(
+            payload, BlockStored, BlockRemoved, AllBlocksCleared, normalize_medium
+        )
+        if got is not None:
+            return EventBatch(got[0], got[1], got[2])
         fast = _fast_payload_native(payload)
     if fast is None:  # (compiled: hashes that are not all uint64, e.g. vLLM < 0.10.2's)
         fast = _fast_payload(payload)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from array import array
 import weakref
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from operator import or_
 from typing import Any
@@ -120,7 +120,9 @@ class BlockIndex:
             # Packed keys (apply's fused path): the engine map and the dict insert in one
             # compiled loop; returns the (key, mask) pairs already held under another mask.
             assert NATIVE is not None
-            new, held = NATIVE.index_add(d, emap, ekeys, keys, bit)
+            added: int
+            added, held = NATIVE.index_add(d, emap, ekeys, keys, bit)
+            new = added
         else:
             emap.update_pairs(ekeys, keys)
             # One C-level pass inserts the absent keys with the slot's shared bit object (a

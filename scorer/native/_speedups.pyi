@@ -1,5 +1,6 @@
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 def chain_keys(tokens: Sequence[int], block_size: int, seed: int) -> list[int]: ...
 def chain_keys_bytes(data: bytes | bytearray | memoryview, stride: int, seed: int) -> list[int]: ...
@@ -20,6 +21,7 @@ class EngineMap:
     def keys(self) -> list[int]: ...
     def values(self) -> list[int]: ...
     def nbytes(self) -> int: ...
+
 def msgpack_uint64s(raw: object) -> array[int] | None: ...
 def stored_chain(
     tokens: array[int],
@@ -33,3 +35,10 @@ def stored_chain(
 def index_add(
     d: dict[int, int], emap: EngineMap, ekeys: array[int], keys: array[int], bit: int
 ) -> tuple[int, list[tuple[int, int]]]: ...
+def decode_batch(
+    payload: bytes,
+    stored_cls: type[Any],
+    removed_cls: type[Any],
+    cleared_cls: type[Any],
+    normalize: Callable[[object], str],
+) -> tuple[float, list[Any], int | None] | None: ...

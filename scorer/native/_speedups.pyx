@@ -166,12 +166,10 @@ cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
     return v
 
 
-cdef object _msgpack_uints(raw, array template, uint64_t vmax):
-    """A msgpack array whose items are all ints in [0, vmax] → an array like `template`
-    ('I' or 'Q'); None for any other value."""
-    cdef Py_buffer view
-    cdef const uint8_t* p
-    cdef const uint8_t* end
+cdef object _uints_at(const uint8_t** pp, const uint8_t* end, array template, uint64_t vmax):
+    """The msgpack array at *pp whose items are all ints in [0, vmax] → an array like
+    `template` ('I' or 'Q'), *pp moved past it; None for any other value."""
+    cdef const uint8_t* p = pp[0]
     cdef Py_ssize_t n, i
     cdef uint8_t b
     cdef uint64_t v
@@ -180,79 +178,87 @@ cdef object _msgpack_uints(raw, array template, uint64_t vmax):
     cdef bint wide = template.ob_descr.itemsize == 8
     cdef uint32_t* dst32 = NULL
     cdef unsigned long long* dst64 = NULL
+    if end - p < 1:
+        return None
+    b = p[0]
+    if 0x90 <= b <= 0x9F:
+        n = b & 0x0F
+        p += 1
+    elif b == 0xDC and end - p >= 3:
+        n = <Py_ssize_t>_be(p + 1, 2)
+        p += 3
+    elif b == 0xDD and end - p >= 5:
+        n = <Py_ssize_t>_be(p + 1, 4)
+        p += 5
+    else:
+        return None
+    if n > end - p:  # every item takes at least one byte
+        return None
+    out = clone(template, n, False)
+    if wide:
+        dst64 = out.data.as_ulonglongs
+    else:
+        dst32 = out.data.as_uints
+    for i in range(n):
+        if p >= end:
+            return None
+        b = p[0]
+        # The encodings senders use for token ids and hashes, one branch each
+        # (big-endian loads; `end - p` checked before every read).
+        if b <= 0x7F:
+            v = b
+            p += 1
+        elif b == 0xCE:
+            if end - p < 5:
+                return None
+            v = kv_be32(p + 1)
+            p += 5
+        elif b == 0xCD:
+            if end - p < 3:
+                return None
+            v = (<uint64_t>p[1] << 8) | p[2]
+            p += 3
+        elif b == 0xCF:
+            if end - p < 9:
+                return None
+            v = kv_be64(p + 1)
+            p += 9
+        elif b == 0xCC:
+            if end - p < 2:
+                return None
+            v = p[1]
+            p += 2
+        elif 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
+            k = 1 << (b - 0xD0)
+            if end - p < 1 + k:
+                return None
+            v = _be(p + 1, k)
+            if (v >> (8 * k - 1)) & 1:
+                return None
+            p += 1 + k
+        else:
+            return None
+        if v > vmax:
+            return None
+        if wide:
+            dst64[i] = v
+        else:
+            dst32[i] = <uint32_t>v
+    pp[0] = p
+    return out
+
+
+cdef object _msgpack_uints(raw, array template, uint64_t vmax):
+    """A msgpack array (all of `raw`) of ints in [0, vmax] → packed array, else None."""
+    cdef Py_buffer view
+    cdef const uint8_t* p
+    cdef const uint8_t* end
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
         p = <const uint8_t*>view.buf
         end = p + view.len
-        if view.len < 1:
-            return None
-        b = p[0]
-        if 0x90 <= b <= 0x9F:
-            n = b & 0x0F
-            p += 1
-        elif b == 0xDC and view.len >= 3:
-            n = <Py_ssize_t>_be(p + 1, 2)
-            p += 3
-        elif b == 0xDD and view.len >= 5:
-            n = <Py_ssize_t>_be(p + 1, 4)
-            p += 5
-        else:
-            return None
-        if n > end - p:  # every item takes at least one byte
-            return None
-        out = clone(template, n, False)
-        if wide:
-            dst64 = out.data.as_ulonglongs
-        else:
-            dst32 = out.data.as_uints
-        for i in range(n):
-            if p >= end:
-                return None
-            b = p[0]
-            # The encodings senders use for token ids and hashes, one branch each
-            # (big-endian loads; `end - p` checked before every read).
-            if b <= 0x7F:
-                v = b
-                p += 1
-            elif b == 0xCE:
-                if end - p < 5:
-                    return None
-                v = kv_be32(p + 1)
-                p += 5
-            elif b == 0xCD:
-                if end - p < 3:
-                    return None
-                v = (<uint64_t>p[1] << 8) | p[2]
-                p += 3
-            elif b == 0xCF:
-                if end - p < 9:
-                    return None
-                v = kv_be64(p + 1)
-                p += 9
-            elif b == 0xCC:
-                if end - p < 2:
-                    return None
-                v = p[1]
-                p += 2
-            elif 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
-                k = 1 << (b - 0xD0)
-                if end - p < 1 + k:
-                    return None
-                v = _be(p + 1, k)
-                if (v >> (8 * k - 1)) & 1:
-                    return None
-                p += 1 + k
-            else:
-                return None
-            if v > vmax:
-                return None
-            if wide:
-                dst64[i] = v
-            else:
-                dst32[i] = <uint32_t>v
-        if p != end:
-            return None
-        return out
+        out = _uints_at(&p, end, template, vmax)
+        return out if out is not None and p == end else None
     finally:
         PyBuffer_Release(&view)
 
@@ -583,3 +589,324 @@ def index_add(dict d, EngineMap emap, array ekeys, array keys, object bit):
         if m != <PyObject*>bit:
             shared.append((ko, <object>m))
     return PyDict_Size(d) - before, shared
+
+
+# ---- fused batch decode: one pass over a well-formed payload ------------------------------
+# The common shapes of a vLLM/SGLang batch (vLLM 0.9-0.23 positional events, 0.24+ tagged
+# maps; uint64 hashes, uint32 token ids, no LoRA / extra keys / salt) parsed in one C pass
+# into the event dataclasses, with hashes and ids packed (array('Q') / array('I')). Anything
+# else (another field, a type it does not take, trailing bytes, a lying header) returns None
+# and the caller takes the msgspec paths, which give the reference meaning.
+
+cdef struct _Cur:
+    const uint8_t* p
+    const uint8_t* end
+
+
+cdef inline int _arr_len(_Cur* c, Py_ssize_t* n) noexcept:
+    """An array header → 1 and its length, else 0."""
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0x90 <= b <= 0x9F:
+        n[0] = b & 0x0F
+        c.p += 1
+    elif b == 0xDC and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    elif b == 0xDD and c.end - c.p >= 5:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 4)
+        c.p += 5
+    else:
+        return 0
+    return n[0] <= c.end - c.p  # every item takes at least one byte
+
+
+cdef inline int _map_len(_Cur* c, Py_ssize_t* n) noexcept:
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0x80 <= b <= 0x8F:
+        n[0] = b & 0x0F
+        c.p += 1
+    elif b == 0xDE and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    else:
+        return 0
+    return 2 * n[0] <= c.end - c.p
+
+
+cdef inline int _str(_Cur* c, const uint8_t** s, Py_ssize_t* n) noexcept:
+    """A str → 1 with its bytes, else 0."""
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0xA0 <= b <= 0xBF:
+        n[0] = b & 0x1F
+        c.p += 1
+    elif b == 0xD9 and c.end - c.p >= 2:
+        n[0] = c.p[1]
+        c.p += 2
+    elif b == 0xDA and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    else:
+        return 0
+    if n[0] > c.end - c.p:
+        return 0
+    s[0] = c.p
+    c.p += n[0]
+    return 1
+
+
+cdef inline int _nil(_Cur* c) noexcept:
+    if c.p < c.end and c.p[0] == 0xC0:
+        c.p += 1
+        return 1
+    return 0
+
+
+cdef inline int _uint(_Cur* c, uint64_t* v) noexcept:
+    """A non-negative int → 1, else 0."""
+    cdef uint8_t b
+    cdef int k
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if b <= 0x7F:
+        v[0] = b
+        c.p += 1
+        return 1
+    if 0xCC <= b <= 0xCF:
+        k = 1 << (b - 0xCC)
+        if c.end - c.p < 1 + k:
+            return 0
+        v[0] = _be(c.p + 1, k)
+        c.p += 1 + k
+        return 1
+    if 0xD0 <= b <= 0xD3:
+        k = 1 << (b - 0xD0)
+        if c.end - c.p < 1 + k:
+            return 0
+        v[0] = _be(c.p + 1, k)
+        if (v[0] >> (8 * k - 1)) & 1:
+            return 0
+        c.p += 1 + k
+        return 1
+    return 0
+
+
+cdef inline object _packed(_Cur* c, array template, uint64_t vmax):
+    """An array of ints in [0, vmax] → packed array, else None."""
+    return _uints_at(&c.p, c.end, template, vmax)
+
+
+cdef object _opt_medium(_Cur* c):
+    """nil → None, a UTF-8 str → str, else False (not taken)."""
+    cdef const uint8_t* s
+    cdef Py_ssize_t n
+    if _nil(c):
+        return None
+    if not _str(c, &s, &n):
+        return False
+    try:
+        return (<char*>s)[:n].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+
+
+cdef enum:
+    # BlockStored fields by position (vLLM 0.9-0.23 array events); map keys map onto them.
+    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
+    F_SALT, F_N
+
+cdef dict _STORED_KEYS = {
+    b"block_hashes": F_HASHES, b"parent_block_hash": F_PARENT, b"token_ids": F_TOKENS,
+    b"block_size": F_BS, b"lora_id": F_LORA_ID, b"medium": F_MEDIUM, b"lora_name": F_LORA_NAME,
+    b"extra_keys": F_EXTRA, b"group_idx": F_GROUP, b"cache_salt": F_SALT,
+}
+cdef dict _REMOVED_KEYS = {b"block_hashes": F_HASHES, b"medium": F_MEDIUM, b"group_idx": F_GROUP}
+
+
+cdef int _field(_Cur* c, int f, list out) except -1:
+    """Read field `f` of an event into out[f] → 1, or 0 when not taken."""
+    cdef uint64_t v
+    cdef object o
+    if f == F_HASHES:
+        o = _packed(c, _U64, U64MAX)
+    elif f == F_TOKENS:
+        o = _packed(c, _U32, U32MAX)
+    elif f == F_PARENT:
+        if _nil(c):
+            out[f] = None
+            return 1
+        if not _uint(c, &v):
+            return 0
+        o = v
+    elif f == F_BS:
+        if not _uint(c, &v) or v < 1:
+            return 0
+        o = v
+    elif f == F_GROUP:
+        if _nil(c):
+            out[f] = None
+            return 1
+        if not _uint(c, &v):
+            return 0
+        o = v
+    elif f == F_MEDIUM:
+        o = _opt_medium(c)
+        if o is False:
+            return 0
+        out[f] = o
+        return 1
+    else:  # lora_id, lora_name, extra_keys, cache_salt: only absent / nil here
+        if not _nil(c):
+            return 0
+        out[f] = None
+        return 1
+    if o is None:
+        return 0
+    out[f] = o
+    return 1
+
+
+def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
+    """A payload of the common shapes → (ts, [events], data_parallel_rank), else None.
+
+    Events are built with `stored_cls` / `removed_cls` / `cleared_cls` (the decode module's
+    dataclasses) and media spelled by `normalize` (its `normalize_medium`)."""
+    cdef Py_buffer view
+    cdef _Cur c
+    cdef Py_ssize_t n, ne, i, j, nf, ks
+    cdef uint64_t v
+    cdef const uint8_t* s
+    cdef double ts
+    cdef object rank = None
+    cdef list events = []
+    cdef list f
+    cdef object key, tag
+    cdef int fi, seen
+    cdef bint is_map
+    cdef object mraw
+    PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+    try:
+        c.p = <const uint8_t*>view.buf
+        c.end = c.p + view.len
+        if not _arr_len(&c, &n) or n < 2 or n > 3:
+            return None
+        if c.p >= c.end:
+            return None
+        if c.p[0] == 0xCB and c.end - c.p >= 9:
+            v = kv_be64(c.p + 1)
+            memcpy(&ts, &v, 8)
+            c.p += 9
+        elif _uint(&c, &v):
+            ts = <double>v
+        else:
+            return None
+        if not _arr_len(&c, &ne):
+            return None
+        for i in range(ne):
+            if c.p >= c.end:
+                return None
+            f = [None] * F_N
+            is_map = 0x80 <= c.p[0] <= 0x8F or c.p[0] == 0xDE
+            if is_map:
+                if not _map_len(&c, &nf) or nf < 1:
+                    return None
+                # vLLM writes "type" first (msgspec tag_field); another order is not taken.
+                if not _str(&c, &s, &ks) or (<char*>s)[:ks] != b"type":
+                    return None
+                if not _str(&c, &s, &ks):
+                    return None
+                tag = (<char*>s)[:ks]
+                nf -= 1
+            else:
+                if not _arr_len(&c, &nf) or nf < 1:
+                    return None
+                if not _str(&c, &s, &ks):
+                    return None
+                tag = (<char*>s)[:ks]
+                nf -= 1
+            if tag == b"BlockStored":
+                seen = 0
+                if is_map:
+                    for j in range(nf):
+                        if not _str(&c, &s, &ks):
+                            return None
+                        key = _STORED_KEYS.get((<char*>s)[:ks])
+                        if key is None:
+                            return None
+                        fi = key
+                        if seen & (1 << fi) or not _field(&c, fi, f):
+                            return None
+                        seen |= 1 << fi
+                    if seen & 0b1101 != 0b1101:  # hashes, tokens, block_size required
+                        return None
+                else:
+                    if nf < 4 or nf > F_SALT:  # 4..9 positional fields (no salt)
+                        return None
+                    for j in range(nf):
+                        if not _field(&c, j, f):
+                            return None
+                mraw = f[F_MEDIUM]
+                events.append(stored_cls(
+                    f[F_HASHES], f[F_PARENT], f[F_TOKENS], f[F_BS], None,
+                    "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
+                    None, None, f[F_GROUP], None))
+            elif tag == b"BlockRemoved":
+                seen = 0
+                if is_map:
+                    for j in range(nf):
+                        if not _str(&c, &s, &ks):
+                            return None
+                        key = _REMOVED_KEYS.get((<char*>s)[:ks])
+                        if key is None:
+                            return None
+                        fi = key
+                        if seen & (1 << fi) or not _field(&c, fi, f):
+                            return None
+                        seen |= 1 << fi
+                    if not seen & 1:
+                        return None
+                else:
+                    if nf < 1 or nf > 3:
+                        return None
+                    for j in range(nf):
+                        if not _field(&c, (F_HASHES, F_MEDIUM, F_GROUP)[j], f):
+                            return None
+                mraw = f[F_MEDIUM]
+                events.append(removed_cls(
+                    f[F_HASHES].tolist(),
+                    "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
+                    f[F_GROUP]))
+            elif tag == b"AllBlocksCleared":
+                if nf > 1:
+                    return None
+                if nf == 1:
+                    if is_map:
+                        if not _str(&c, &s, &ks) or (<char*>s)[:ks] != b"medium":
+                            return None
+                    if not _field(&c, F_MEDIUM, f):
+                        return None
+                mraw = f[F_MEDIUM]
+                events.append(cleared_cls(None if mraw is None else normalize(mraw)))
+            else:
+                return None
+        if n == 3:
+            if _nil(&c):
+                rank = None
+            elif _uint(&c, &v) and v <= 0x7FFFFFFF:
+                rank = v
+            else:
+                return None
+        if c.p != c.end:
+            return None
+        return ts, events, rank
+    finally:
+        PyBuffer_Release(&view)
