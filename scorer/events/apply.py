@@ -147,6 +147,7 @@ class Applier:
         # `stored_chain`); the index inserts them in C when its maps are compiled too.
         fused = use and hasher.native and index.native
         self._fused = NATIVE.stored_chain if fused and NATIVE is not None else None
+        self._run = NATIVE.stored_events if fused and NATIVE is not None else None
         self.stats: dict[str, ApplyStats] = {}
 
     def _st(self, endpoint: str) -> ApplyStats:
@@ -168,11 +169,32 @@ class Applier:
         # event, medium or an unknown parent (maybe pending) needs the index up to date.
         pend = _Pending(endpoint, r, self.index, self._fused is not None)
         stored = self._stored
-        for ev in batch.events:
+        events = batch.events
+        run = self._run
+        slots = self.index._slots
+        bs = self.hasher.block_size
+        i = 0
+        while i < len(events):
+            ev = events[i]
+            i += 1
             if type(ev) is BlockStored:
                 if ev.medium != pend.medium:
                     pend.flush()
                     pend.medium = ev.medium
+                if run is not None:
+                    # The compiled loop takes the run of plain events from here on; it
+                    # stops at the first one the reference code below must handle.
+                    s = slots.get((endpoint, r or 0))
+                    j, nb = run(
+                        events, i - 1, BlockStored, ev.medium, bs,
+                        None if s is None else s.emap, pend.keys, pend.ekeys,
+                    )  # fmt: skip
+                    if j >= i:
+                        ok_events += j - i + 1
+                        ok_blocks += nb
+                        st.last_block_size = bs
+                        i = j
+                        continue
                 n = stored(endpoint, r, ev, st, pend)
                 if n:
                     ok_events += 1

@@ -42,3 +42,13 @@ def decode_batch(
     cleared_cls: type[Any],
     normalize: Callable[[object], str],
 ) -> tuple[float, list[Any], int | None] | None: ...
+def stored_events(
+    events: list[Any],
+    i: int,
+    stored_cls: type[Any],
+    medium: str,
+    block_size: int,
+    emap: object,
+    keys_out: array[int],
+    ekeys_out: array[int],
+) -> tuple[int, int]: ...

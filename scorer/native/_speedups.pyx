@@ -23,7 +23,7 @@ from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_Fr
 from cpython.object cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 cdef extern from *:
     """
@@ -724,12 +724,33 @@ cdef enum:
     F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
     F_SALT, F_N
 
-cdef dict _STORED_KEYS = {
-    b"block_hashes": F_HASHES, b"parent_block_hash": F_PARENT, b"token_ids": F_TOKENS,
-    b"block_size": F_BS, b"lora_id": F_LORA_ID, b"medium": F_MEDIUM, b"lora_name": F_LORA_NAME,
-    b"extra_keys": F_EXTRA, b"group_idx": F_GROUP, b"cache_salt": F_SALT,
-}
-cdef dict _REMOVED_KEYS = {b"block_hashes": F_HASHES, b"medium": F_MEDIUM, b"group_idx": F_GROUP}
+cdef inline bint _is(const uint8_t* s, Py_ssize_t n, const char* name, Py_ssize_t m) noexcept:
+    return n == m and memcmp(s, name, m) == 0
+
+
+cdef inline int _key_id(const uint8_t* s, Py_ssize_t n) noexcept:
+    """A BlockStored map key → its field (F_*), or -1 (no bytes object per key)."""
+    if _is(s, n, "block_hashes", 12):
+        return F_HASHES
+    if _is(s, n, "token_ids", 9):
+        return F_TOKENS
+    if _is(s, n, "parent_block_hash", 17):
+        return F_PARENT
+    if _is(s, n, "block_size", 10):
+        return F_BS
+    if _is(s, n, "medium", 6):
+        return F_MEDIUM
+    if _is(s, n, "lora_id", 7):
+        return F_LORA_ID
+    if _is(s, n, "lora_name", 9):
+        return F_LORA_NAME
+    if _is(s, n, "extra_keys", 10):
+        return F_EXTRA
+    if _is(s, n, "group_idx", 9):
+        return F_GROUP
+    if _is(s, n, "cache_salt", 10):
+        return F_SALT
+    return -1
 
 
 cdef int _field(_Cur* c, int f, list out) except -1:
@@ -789,7 +810,6 @@ def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
     cdef object rank = None
     cdef list events = []
     cdef list f
-    cdef object key, tag
     cdef int fi, seen
     cdef bint is_map
     cdef object mraw
@@ -820,29 +840,26 @@ def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
                 if not _map_len(&c, &nf) or nf < 1:
                     return None
                 # vLLM writes "type" first (msgspec tag_field); another order is not taken.
-                if not _str(&c, &s, &ks) or (<char*>s)[:ks] != b"type":
+                if not _str(&c, &s, &ks) or not _is(s, ks, "type", 4):
                     return None
                 if not _str(&c, &s, &ks):
                     return None
-                tag = (<char*>s)[:ks]
                 nf -= 1
             else:
                 if not _arr_len(&c, &nf) or nf < 1:
                     return None
                 if not _str(&c, &s, &ks):
                     return None
-                tag = (<char*>s)[:ks]
                 nf -= 1
-            if tag == b"BlockStored":
+            if _is(s, ks, "BlockStored", 11):
                 seen = 0
                 if is_map:
                     for j in range(nf):
                         if not _str(&c, &s, &ks):
                             return None
-                        key = _STORED_KEYS.get((<char*>s)[:ks])
-                        if key is None:
+                        fi = _key_id(s, ks)
+                        if fi < 0:
                             return None
-                        fi = key
                         if seen & (1 << fi) or not _field(&c, fi, f):
                             return None
                         seen |= 1 << fi
@@ -859,16 +876,15 @@ def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
                     f[F_HASHES], f[F_PARENT], f[F_TOKENS], f[F_BS], None,
                     "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
                     None, None, f[F_GROUP], None))
-            elif tag == b"BlockRemoved":
+            elif _is(s, ks, "BlockRemoved", 12):
                 seen = 0
                 if is_map:
                     for j in range(nf):
                         if not _str(&c, &s, &ks):
                             return None
-                        key = _REMOVED_KEYS.get((<char*>s)[:ks])
-                        if key is None:
+                        fi = _key_id(s, ks)
+                        if fi != F_HASHES and fi != F_MEDIUM and fi != F_GROUP:
                             return None
-                        fi = key
                         if seen & (1 << fi) or not _field(&c, fi, f):
                             return None
                         seen |= 1 << fi
@@ -885,12 +901,12 @@ def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
                     f[F_HASHES].tolist(),
                     "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
                     f[F_GROUP]))
-            elif tag == b"AllBlocksCleared":
+            elif _is(s, ks, "AllBlocksCleared", 16):
                 if nf > 1:
                     return None
                 if nf == 1:
                     if is_map:
-                        if not _str(&c, &s, &ks) or (<char*>s)[:ks] != b"medium":
+                        if not _str(&c, &s, &ks) or not _is(s, ks, "medium", 6):
                             return None
                     if not _field(&c, F_MEDIUM, f):
                         return None
@@ -910,3 +926,79 @@ def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
         return ts, events, rank
     finally:
         PyBuffer_Release(&view)
+
+
+cdef inline void _chain_into(const uint8_t* data, const unsigned long long* hs, Py_ssize_t n,
+                             Py_ssize_t stride, uint64_t prev, unsigned long long* ko,
+                             unsigned long long* eo) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        prev = XXH3_64bits_withSeed(data + i * stride, <size_t>stride, prev)
+        ko[i] = prev
+        eo[i] = hs[i] & MASK60
+
+
+def stored_events(list events, Py_ssize_t i, object stored_cls, object medium,
+                  Py_ssize_t block_size, object emap, array keys_out, array ekeys_out):
+    """Apply's BlockStored loop for a run of plain events, from events[i]: each one of
+    type `stored_cls` on `medium`, group 0, `block_size`, no LoRA / extra keys / salt,
+    packed hashes and ids, >= 1 full block, and a parent that is the pending tail or in
+    `emap` (the slot's EngineMap, or None). Their keys and engine keys are appended to the
+    packed pending arrays. Stops at the first other event (the reference code takes it).
+    Returns (index of that event, blocks appended)."""
+    cdef Py_ssize_t j = i, n, nt, k0, total = 0, stride = block_size * 4, e
+    cdef array tokens, hashes
+    cdef uint64_t seed, pk
+    cdef EngineMap em = emap if isinstance(emap, EngineMap) else None
+    cdef object ev, ph, t, h
+    if (KV_BIG_ENDIAN or block_size < 1 or keys_out.ob_descr.typecode != b"Q"
+            or ekeys_out.ob_descr.typecode != b"Q"):
+        return i, 0
+    while j < len(events):
+        ev = events[j]
+        if type(ev) is not stored_cls:
+            break
+        if ev.medium is not medium and ev.medium != medium:
+            break
+        if ev.group_idx or ev.block_size != block_size:
+            break
+        if (ev.extra_keys is not None or ev.lora_name is not None or ev.lora_id is not None
+                or ev.cache_salt is not None):
+            break
+        t = ev.token_ids
+        h = ev.block_hashes
+        if type(t) is not array or type(h) is not array:
+            break
+        tokens = <array>t
+        hashes = <array>h
+        if tokens.ob_descr.typecode != b"I" or hashes.ob_descr.typecode != b"Q":
+            break
+        n = len(hashes)
+        nt = len(tokens) // block_size
+        if nt < n:
+            n = nt
+        if n == 0:
+            break
+        ph = ev.parent_block_hash
+        if ph is None:
+            seed = 0
+        else:
+            if not kv_u64(ph, &pk):
+                break
+            pk &= MASK60
+            k0 = len(ekeys_out)
+            if k0 and ekeys_out.data.as_ulonglongs[k0 - 1] == pk:
+                seed = keys_out.data.as_ulonglongs[k0 - 1]
+            else:
+                e = em._find(pk) if em is not None else -1
+                if e < 0:
+                    break  # maybe pending (the caller flushes) or unknown
+                seed = em.val[e]
+        k0 = len(keys_out)
+        resize_smart(keys_out, k0 + n)
+        resize_smart(ekeys_out, k0 + n)
+        _chain_into(<const uint8_t*>tokens.data.as_uints, hashes.data.as_ulonglongs, n, stride,
+                    seed, keys_out.data.as_ulonglongs + k0, ekeys_out.data.as_ulonglongs + k0)
+        total += n
+        j += 1
+    return j, total
