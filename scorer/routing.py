@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -98,7 +98,7 @@ class CandidateScore:
     # (the cost's duplicate_cost term; 0 when that term is off).
     duplicate_blocks: float = 0.0
     # The cost's fleet terms (predicted TTFT, block life, previous turn), when the cost
-    # computed them: (scorer.policy.cost.FleetTerms, candidate index), built into a
+    # computed them: (scorer.policy.cost.CostTable, candidate index), built into a
     # CandidateTerms only when the row is shown.
     terms: Any = None
 
@@ -142,7 +142,6 @@ class Decision:
     endpoints: list[str]
     reason: Reason
     policy: str
-    candidates: list[CandidateScore] = field(default_factory=list)
     matched_tokens: int = 0
     request_tokens: int = 0
     status: int = 200
@@ -156,6 +155,24 @@ class Decision:
     # The HTTP status the client got, once the response headers said so (None: unknown,
     # e.g. responses not followed; then the decided `status` is what the log shows).
     response_status: int | None = None
+    # The explanation rows, or the function that builds them on first read (`candidates`):
+    # most decisions are never shown, so a policy may defer building them.
+    _rows: list[CandidateScore] | Callable[[], list[CandidateScore]] | None = None
+
+    @property
+    def candidates(self) -> list[CandidateScore]:
+        """One explanation row per candidate (built on first read when deferred)."""
+        rows = self._rows
+        if rows is None:
+            rows = self._rows = []
+        elif callable(rows):
+            rows = self._rows = rows()
+        return rows
+
+    @candidates.setter
+    def candidates(self, rows: list[CandidateScore] | Callable[[], list[CandidateScore]]) -> None:
+        """The rows, or a function building them from numbers that no longer change."""
+        self._rows = rows
 
     @property
     def endpoint(self) -> str | None:

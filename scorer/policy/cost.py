@@ -55,7 +55,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import add
 from typing import Any, Literal
 
 from pydantic import Field
@@ -129,6 +130,12 @@ class CostModelOptions(PolicyOptions):
     # worker's live sessions above the fewest, in units of max(fewest, 1) (module doc,
     # "Session spread"). 0: off.
     session_spread: float = Field(0.0, ge=0)
+    # What a live session weighs in session_spread: "sessions" (1 each) or "blocks" (its
+    # last request's blocks: its context, the prefill every later turn repeats).
+    session_weight: Literal["sessions", "blocks"] = "sessions"
+    # A session idle longer than this (s) no longer counts in session_spread (it has most
+    # likely ended); it is still remembered for continuity for 600 s.
+    session_live_s: float = Field(600.0, gt=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -222,33 +229,31 @@ def load_table(
     return LoadTable(pfs, dcs, wqs, kus, busys if check else None)
 
 
-# The cache side of one candidate's cost: (match, overlap weighted by medium, credit
-# multiplier, stale stream?). A tuple: built once per matched candidate per decision.
-CostRow = tuple[MatchLike, float, float, bool]
-
-
 @dataclass(slots=True)
 class FleetInputs:
     """What the fleet terms read for one decision (built by the scorer from its state).
 
-    `life`: per candidate index with a cached prefix, (worth factor 0..1, block life s,
-    chain age s) — absent: full worth. `previous`: candidate index of the previous turn's
-    worker (None: unknown or not eligible). `prefill_ms`: predicted prefill ms of a number
-    of uncached tokens (the fitted model); `ms_per_block`: its marginal ms per block.
+    `prefill_line`: the fitted prefill model's line in seconds (intercept, per token, min,
+    max; scorer.pool.prefill.PrefillModel.estimate), `ms_per_block` its marginal ms per
+    block. `life`: per candidate index with a cached prefix, (worth factor 0..1, block
+    life s, chain age s) — absent: full worth. `previous`: candidate index of the previous
+    turn's worker (None: unknown or not eligible).
     """
 
-    prefill_ms: Callable[[float], float]
+    prefill_line: tuple[float, float, float, float]
     ms_per_block: float
     block_size: int
     life: dict[int, tuple[float, float | None, float | None]]
     previous: int | None = None
-    # Live sessions per eligible candidate (parallel to eligible) when the request opens a
-    # new session and session_spread is on; else None.
-    sessions: list[int] | None = None
-    # The prefill model's current line in seconds (intercept, per token, min, max),
-    # scorer.pool.prefill.PrefillModel.estimate: when given, `prefill_ms` is evaluated
-    # inline for every candidate (no call per candidate), with the same arithmetic.
-    prefill_line: tuple[float, float, float, float] | None = None
+    # Live session weight per eligible candidate (parallel to eligible) when the request
+    # opens a new session and session_spread is on; else None.
+    sessions: list[float] | None = None
+
+    def ttft_ms(self, queued_tokens: float) -> float:
+        """Predicted prefill ms of `queued_tokens` (PrefillModel.estimate's arithmetic)."""
+        a, b, lo, hi = self.prefill_line
+        q = queued_tokens if queued_tokens > 0.0 else 0.0
+        return 1000.0 * min(max(a + b * q, lo), hi)
 
 
 @dataclass(slots=True)
@@ -260,6 +265,8 @@ class CandidateTerms:
     block_life_s: float | None = None
     chain_age_s: float | None = None
     previous_turn: bool = False
+    # session_spread's input: the candidate's live session weight (None: not applied).
+    live_sessions: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (a candidate row's `terms` in /debug/decisions)."""
@@ -269,28 +276,86 @@ class CandidateTerms:
             "block_life_s": None if self.block_life_s is None else round(self.block_life_s, 1),
             "chain_age_s": None if self.chain_age_s is None else round(self.chain_age_s, 1),
             "previous_turn": self.previous_turn,
+            "live_sessions": None if self.live_sessions is None else round(self.live_sessions, 1),
         }
 
 
 @dataclass(slots=True)
-class FleetTerms:
-    """One decision's fleet terms as arrays (parallel to `eligible`).
-
-    A candidate's `CandidateTerms` is built only when its explanation row is shown
-    (`terms(i)`), not per candidate per decision: the decision log keeps rows that are
-    rarely read.
-    """
+class CostTable:
+    """One decision's cost, term by term, as columns parallel to `eligible` (position k
+    is candidate `eligible[k]`). The picker reads `costs`; the explanation rows read the
+    rest through `row`, `duplicate` and `terms`, built only for the rows that are built
+    or shown (the decision log keeps rows that are rarely read)."""
 
     eligible: Sequence[int]
-    predicted_ttft_ms: list[float]
-    previous: int | None = None
-    life: dict[int, tuple[float, float | None, float | None]] = field(default_factory=dict)
+    costs: list[float]
+    matches: list[MatchLike | None]  # cached prefix (None: nothing cached)
+    weighted: list[float]  # overlap weighted by medium (0 where nothing is cached)
+    credit: list[float]  # credit multiplier (decay, stale stream, block life)
+    stale: list[bool] | None  # stream stale (None: no stream check)
+    stale_any: bool  # a cached candidate's credit was cut for a stale stream
+    prefill: Sequence[float]  # active prefill blocks
+    request_blocks: float
+    # Duplicate term (None: off): the best held overlap and each candidate's held overlap.
+    best_held: float | None = None
+    held: list[float] | None = None
+    # Fleet terms (None: off); predicted TTFT per position when the cost used it (ms unit).
+    fleet: FleetInputs | None = None
+    ttft: list[float] | None = None
+    previous: int | None = None  # candidate index whose cost got the continuity discount
+    every: bool = False  # every candidate is eligible (position k is candidate k)
+    _pos: dict[int, int] | None = None
+
+    def position(self, i: int) -> int | None:
+        """Candidate index `i`'s position in `eligible` (None: not eligible)."""
+        if self.every:
+            return i if 0 <= i < len(self.eligible) else None
+        pos = self._pos
+        if pos is None:
+            pos = self._pos = {c: k for k, c in enumerate(self.eligible)}
+        return pos.get(i)
+
+    def by_candidate(
+        self, n: int
+    ) -> tuple[list[MatchLike | None], list[float], list[float], list[bool] | None]:
+        """matches, weighted, credit and stale indexed by candidate index (of `n`
+        candidates); a candidate not eligible has no match."""
+        if self.every:
+            return self.matches, self.weighted, self.credit, self.stale
+        ms: list[MatchLike | None] = [None] * n
+        wt, cr = [0.0] * n, [1.0] * n
+        st: list[bool] | None = None if self.stale is None else [False] * n
+        for k, i in enumerate(self.eligible):
+            ms[i], wt[i], cr[i] = self.matches[k], self.weighted[k], self.credit[k]
+            if st is not None and self.stale is not None:
+                st[i] = self.stale[k]
+        return ms, wt, cr, st
+
+    def duplicate(self, k: int) -> float:
+        """Blocks of the best cached prefix position k would write again (0: term off)."""
+        if self.best_held is None or self.held is None:
+            return 0.0
+        return self.best_held - self.held[k]
+
+    def uncached(self, k: int) -> float:
+        """Position k's request blocks the prefill must compute."""
+        u = self.request_blocks - self.credit[k] * self.weighted[k]
+        return u if u > 0.0 else 0.0
 
     def terms(self, i: int) -> CandidateTerms:
-        """Candidate index `i`'s terms (i must be eligible)."""
-        t = CandidateTerms(predicted_ttft_ms=self.predicted_ttft_ms[self.eligible.index(i)])
-        t.previous_turn = i == self.previous
-        got = self.life.get(i)
+        """Candidate index `i`'s fleet terms (i must be eligible, the fleet terms on)."""
+        fleet = self.fleet
+        assert fleet is not None
+        k = self.position(i)
+        assert k is not None
+        if self.ttft is not None:
+            ttft = self.ttft[k]
+        else:
+            ttft = fleet.ttft_ms((self.prefill[k] + self.uncached(k)) * fleet.block_size)
+        t = CandidateTerms(predicted_ttft_ms=ttft, previous_turn=i == self.previous)
+        if fleet.sessions is not None:
+            t.live_sessions = fleet.sessions[k]
+        got = fleet.life.get(i)
         if got is not None:
             t.life_factor, t.block_life_s, t.chain_age_s = got
         return t
@@ -298,146 +363,152 @@ class FleetTerms:
 
 def dynamo_costs(
     candidates: Sequence[Worker],
+    endpoints: Sequence[str],
     eligible: Sequence[int],
     table: LoadTable,
     matches: Mapping[str, MatchLike],
     request_blocks: float,
     opts: CostModelOptions,
     stale: Callable[[Worker], bool] | None = None,
-    duplicate_out: dict[int, float] | None = None,
     fleet: FleetInputs | None = None,
-) -> tuple[list[float], dict[int, CostRow], bool, FleetTerms | None]:
-    """THE cost function (module doc), for each eligible candidate in order.
+) -> CostTable:
+    """THE cost function (module doc) of each eligible candidate, term by term.
 
-    Returns the costs (parallel to `eligible`), per candidate with a cached prefix the
-    numbers its explanation row shows, and whether any credit was cut for staleness.
-    `stale(w)` says whether w's cache signal is to be trusted less (a silent or gapped
-    event stream). With `duplicate_cost` > 0, `duplicate_out` (when given) receives each
-    eligible candidate's duplicated blocks (for its explanation row). `fleet` feeds the
-    block-life, predicted-TTFT and continuity terms, returned last (None without `fleet`)
-    for the explanation rows.
+    `endpoints` are the candidates' endpoints (parallel to `candidates`); `eligible` the
+    scored candidates' indices, ascending. `stale(w)` says whether w's cache signal is to
+    be trusted less (a silent or gapped event stream). `fleet` feeds the block-life,
+    predicted-TTFT, continuity and session-spread terms (None: off).
+
+    Evaluated a term at a time over all candidates (one list per term, no per-candidate
+    objects): the per-decision constants are hoisted and each column is one C-driven
+    comprehension. The order of the float operations is the formula's, so the costs are
+    the same bits as a candidate-at-a-time evaluation.
     """
+    rb = request_blocks
+    n = len(eligible)
     pfs, dcs = table.prefill, table.decode
-    load_min = min([pfs[i] + dcs[i] for i in eligible])
-    mcredit = opts.medium_credit
-    pls = opts.prefill_load_scale
+    every = n == len(candidates)  # (eligible is ascending: position k is candidate k)
+    if every:  # nothing filtered: the load table's own columns
+        pf, dc, cands, eps = pfs, dcs, candidates, endpoints
+    else:
+        pf = [pfs[i] for i in eligible]
+        dc = [dcs[i] for i in eligible]
+        cands = [candidates[i] for i in eligible]
+        eps = [endpoints[i] for i in eligible]
+    ms: list[MatchLike | None] = list(map(matches.get, eps)) if matches else [None] * n
+    any_match = bool(matches) and not matches.keys().isdisjoint(eps)
+
+    # Credit: 1 / (1 + decay * excess), excess in "least-loaded loads".
+    load = list(map(add, pf, dc))
+    load_min = min(load)
     decay = opts.credit_decay
-    stale_credit = opts.stale_credit
-    excess_unit = max(load_min, request_blocks, 1.0)
-    costs: list[float] = []
-    rows: dict[int, CostRow] = {}
+    if decay > 0.0:
+        unit = max(load_min, rb, 1.0)
+        credit = [
+            1.0 / (1.0 + decay * (x - load_min) / unit) if x > load_min else 1.0 for x in load
+        ]
+    else:
+        credit = [1.0] * n
+    stale_flags: list[bool] | None = None
     stale_any = False
-    add = costs.append
+    sc = opts.stale_credit
+    if stale is not None and any_match:
+        stale_flags = [m is not None and stale(w) for m, w in zip(ms, cands, strict=True)]
+        stale_any = True in stale_flags
+        if stale_any:
+            credit = [c * sc if s else c for c, s in zip(credit, stale_flags, strict=True)]
     life = fleet.life if fleet is not None else None
-    uncached: list[float] = []
-    for i in eligible:
-        dc = dcs[i]
-        p = pfs[i] + request_blocks
-        u = request_blocks
-        m = matches.get(candidates[i].endpoint) if matches else None
-        if m is not None:
-            total = pfs[i] + dc
-            # credit = 1 / (1 + decay * excess), excess in "least-loaded loads".
-            if decay > 0.0 and total > load_min:
-                credit = 1.0 / (1.0 + decay * (total - load_min) / excess_unit)
-            else:
-                credit = 1.0
-            is_stale = stale is not None and stale(candidates[i])
-            if is_stale:
-                credit *= stale_credit
-                stale_any = True
-            if life:
-                got = life.get(i)
-                if got is not None:
-                    credit *= got[0]
-            if mcredit is None:
-                weighted = float(m.weighted)
-            else:
-                gpu = mcredit.get("GPU", 1.0)
-                weighted = sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
-            rows[i] = (m, weighted, credit, is_stale)
-            p -= credit * weighted
-            u = request_blocks - credit * weighted
-            if u < 0.0:
-                u = 0.0
-        uncached.append(u)
-        add(pls * (p if p > 0.0 else 0.0) + dc + request_blocks)
+    if life:
+        pos = range(n) if every else {c: k for k, c in enumerate(eligible)}
+        for i, got in life.items():
+            k = pos[i]
+            if ms[k] is not None:
+                credit[k] *= got[0]
+
+    # Overlap weighted by medium.
+    mcredit = opts.medium_credit
+    if mcredit is None:
+        weighted = [0.0 if m is None else m.weighted for m in ms]
+    else:
+        gpu = mcredit.get("GPU", 1.0)
+        weighted = [
+            0.0 if m is None else sum(mcredit.get(k, gpu) * v for k, v in m.by_medium.items())
+            for m in ms
+        ]
+    out = CostTable(eligible, [], ms, weighted, credit, stale_flags, stale_any, pf, rb)
+    out.every = every
+
+    # Duplicate cost: duplicate_cost x (best held overlap - this one's). Off for a request
+    # opening a new session: it continues no conversation, the prefix it shares (a system
+    # prompt) is worth replicating, and where it lands is session_spread's call.
     dup = opts.duplicate_cost
-    dup_cost = [0.0] * len(costs)
-    # A request opening a new session continues no conversation: the prefix it shares (a
-    # system prompt) is worth replicating, and where it lands is session_spread's call.
-    if dup > 0.0 and rows and (fleet is None or fleet.sessions is None):
+    if not any_match or (fleet is not None and fleet.sessions is not None):
+        dup = 0.0
+    held, best = weighted, 0.0
+    if dup > 0.0:
         # A stale stream's blocks may be gone: they count with stale_credit here too.
-        held = {i: r[1] * (stale_credit if r[3] else 1.0) for i, r in rows.items()}
-        best = max(held.values())
-        hget = held.get
-        extras = [best - hget(i, 0.0) for i in eligible]  # >= 0: best is the largest
-        dup_cost = [dup * e for e in extras]
-        costs = [c + d for c, d in zip(costs, dup_cost, strict=True)]
-        if duplicate_out is not None:
-            duplicate_out.update(zip(eligible, extras, strict=True))
-    terms = None
+        if stale_any and stale_flags is not None:
+            held = [w * sc if s else w for w, s in zip(weighted, stale_flags, strict=True)]
+        best = max(held)
+        if best <= 0.0:  # the 0.0 of an uncached candidate must not beat a cached one's
+            best = max([h for h, m in zip(held, ms, strict=True) if m is not None])
+        out.best_held, out.held = best, held
+
+    # Dynamo's cost, + the duplicate term (dup 0: + 0.0, the same float):
+    #   prefill_load_scale * max(prefill + request - credit * weighted, 0) + decode + request.
+    pls = opts.prefill_load_scale
+    out.costs = [
+        pls * (p if (p := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
+        for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
+    ]
     if fleet is not None:
-        terms = _fleet_terms(
-            costs, eligible, pfs, dcs, uncached, dup_cost, request_blocks, opts, fleet
-        )
-    return costs, rows, stale_any, terms
+        _fleet_terms(out, dc, opts, fleet, dup)
+    return out
 
 
 def _fleet_terms(
-    costs: list[float],
-    eligible: Sequence[int],
-    pfs: Sequence[float],
-    dcs: Sequence[float],
-    uncached: Sequence[float],
-    dup_cost: Sequence[float],
-    request_blocks: float,
-    opts: CostModelOptions,
-    fleet: FleetInputs,
-) -> FleetTerms:
-    """Predicted TTFT (and the ms unit) and conversation continuity, in place."""
-    bs = fleet.block_size
-    ms_mode = opts.unit == "ms"
-    pls = opts.prefill_load_scale
-    # One cost block (a decode block; a prefill block is pls of them) in ms.
-    per_block = fleet.ms_per_block / pls if pls > 0.0 else fleet.ms_per_block
-    dms = opts.decode_ms_per_block
-    if dms is None:
-        dms = per_block
-    # Queue ahead (the prefill of what is routed there and not yet started) plus this
-    # request's uncached tokens, through the fitted prefill model.
-    queued = [(pfs[i] + u) * bs for i, u in zip(eligible, uncached, strict=True)]
-    line = fleet.prefill_line
-    if line is None:
-        ttfts = [fleet.prefill_ms(q) for q in queued]
-    else:
-        a, b, lo, hi = line
-        ttfts = [1000.0 * min(max(a + b * (q if q > 0.0 else 0.0), lo), hi) for q in queued]
-    if ms_mode:
-        # + the batch it joins (the decode blocks running there: Dynamo's decode term)
-        # + the duplicate term, both converted to ms.
-        for k, i in enumerate(eligible):
-            costs[k] = ttfts[k] + dms * (dcs[i] + request_blocks) + per_block * dup_cost[k]
-    prev = fleet.previous
+    out: CostTable, dc: Sequence[float], opts: CostModelOptions, fleet: FleetInputs, dup: float
+) -> None:
+    """The ms unit (predicted TTFT), continuity and session spread, on `out.costs`."""
+    costs = out.costs
+    if opts.unit == "ms":
+        pls = opts.prefill_load_scale
+        # One cost block (a decode block; a prefill block is pls of them) in ms.
+        per_block = fleet.ms_per_block / pls if pls > 0.0 else fleet.ms_per_block
+        dms = opts.decode_ms_per_block
+        if dms is None:
+            dms = per_block
+        # Queue ahead (the prefill of what is routed there and not yet started) plus this
+        # request's uncached tokens, through the fitted prefill model; + the batch it
+        # joins (the decode blocks running there: Dynamo's decode term) + the duplicate
+        # term, both converted to ms.
+        rb, bs = out.request_blocks, fleet.block_size
+        ttft = [fleet.ttft_ms((a + out.uncached(k)) * bs) for k, a in enumerate(out.prefill)]
+        dup_cost = [dup * out.duplicate(k) for k in range(len(costs))]
+        costs = [
+            t + dms * (d + rb) + per_block * x for t, d, x in zip(ttft, dc, dup_cost, strict=True)
+        ]
+        out.ttft = ttft
     c = opts.continuity
+    prev = fleet.previous
     if prev is not None and c > 0.0:
-        for k, i in enumerate(eligible):
-            if i == prev:
-                costs[k] *= 1.0 - c
-                break
-        else:
-            prev = None
-    else:
-        prev = None
+        k = out.position(prev)
+        if k is not None:
+            costs[k] *= 1.0 - c
+            out.previous = prev
     live = fleet.sessions
     spread = opts.session_spread
     if live is not None and spread > 0.0:
-        lo_live = min(live)
-        unit = max(lo_live, 1)
-        for k in range(len(eligible)):
-            if live[k] > lo_live:
-                costs[k] *= 1.0 + spread * (live[k] - lo_live) / unit
-    return FleetTerms(eligible, ttfts, prev, fleet.life)
+        lo = min(live)
+        # "blocks": at least the new session's own size (an empty worker is not infinitely
+        # better than one holding one session like it).
+        unit = max(lo, out.request_blocks if opts.session_weight == "blocks" else 0.0, 1.0)
+        costs = [
+            c * (1.0 + spread * (s - lo) / unit) if s > lo else c
+            for c, s in zip(costs, live, strict=True)
+        ]
+    out.costs = costs
+    out.fleet = fleet
 
 
 def pick(
@@ -461,10 +532,11 @@ def pick(
             scale = (c_max - c_min) * temperature
             weights = [math.exp(-(c - c_min) / scale) for c in costs]
             return rng.choices(range(n), weights=weights)[0]
-    # Costs equal within float noise are ties.
+    # Costs equal within float noise are ties; none among the others: the lowest wins.
     limit = c_min + 1e-9 * max(1.0, abs(c_min))
-    if sum(map(limit.__ge__, costs)) == 1:
-        return costs.index(c_min)
+    j = costs.index(c_min)
+    if min([*costs[:j], *costs[j + 1 :]]) > limit:
+        return j
     tied = [i for i in range(n) if costs[i] <= limit]
     keyed = [(tiebreak(i), i) for i in tied]
     best = min(k for k, _ in keyed)

@@ -34,8 +34,9 @@ shared with other sessions).
 
 Live sessions per worker. A new session's later turns follow it wherever it lands (the
 continuity term keeps them there) and grow its context there, so placing it also places
-its future load and cache footprint. The map counts, per worker, the sessions whose last
-request went there (the `session_spread` term spreads new sessions by it).
+its future load and cache footprint. The map sums, per worker, the sessions whose last
+request went there, each weighing 1 or its context's blocks (`session_weight`); the
+`session_spread` term spreads new sessions by it (docs/policy.md, "Session spread").
 """
 
 from __future__ import annotations
@@ -142,24 +143,44 @@ def life_factor(remaining_s: float, wait_s: float, life_s: float, fade: float) -
 
 
 class Sessions:
-    """Session id -> the worker of its last request (bounded, least recently used out)."""
+    """Session id -> the worker of its last request (bounded, least recently used out,
+    forgotten after `ttl_s` idle), and per worker the summed weight (1 each, or its
+    context's blocks) of the live sessions: those whose last request is at most `live_s`
+    old (a session idle that long has most likely ended; it is still remembered for
+    continuity until `ttl_s`)."""
 
-    def __init__(self, max_sessions: int = 100_000, ttl_s: float = 600.0) -> None:
+    def __init__(
+        self, max_sessions: int = 100_000, ttl_s: float = 600.0, live_s: float | None = None
+    ) -> None:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
-        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()
-        self._live: dict[str, int] = {}  # endpoint -> sessions whose last request went there
+        self.live_s = ttl_s if live_s is None else min(live_s, ttl_s)
+        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (worker, t)
+        # Live sessions, oldest last request first: id -> (worker, t, weight).
+        self._active: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        self._live: dict[str, float] = {}  # endpoint -> weight of its live sessions
 
-    def live(self, endpoint: str) -> int:
-        """Sessions (not idle past the TTL at the last update) last served by `endpoint`."""
-        return self._live.get(endpoint, 0)
+    def live(self, endpoint: str) -> float:
+        """Summed weight of the live sessions last served by `endpoint` (as of the last
+        `expire` or `put`)."""
+        return self._live.get(endpoint, 0.0)
 
-    def _count(self, endpoint: str, d: int) -> None:
-        n = self._live.get(endpoint, 0) + d
-        if n > 0:
+    def _count(self, endpoint: str, d: float) -> None:
+        n = self._live.get(endpoint, 0.0) + d
+        if n > 1e-9:
             self._live[endpoint] = n
         else:
             self._live.pop(endpoint, None)
+
+    def expire(self, now: float) -> None:
+        """Stop counting the sessions idle for more than `live_s`."""
+        active = self._active
+        while active:
+            ep, t, w = next(iter(active.values()))
+            if now - t <= self.live_s:
+                break
+            active.popitem(last=False)
+            self._count(ep, -w)
 
     def get(self, session_id: str, now: float) -> str | None:
         """The worker that served `session_id`'s previous request, if recent."""
@@ -168,16 +189,21 @@ class Sessions:
             return None
         return got[0]
 
-    def put(self, session_id: str, endpoint: str, now: float) -> None:
-        """`session_id`'s request went to `endpoint`."""
-        last = self._last
-        old = last.get(session_id)
+    def put(self, session_id: str, endpoint: str, now: float, weight: float = 1.0) -> None:
+        """`session_id`'s request went to `endpoint`; the session now weighs `weight`."""
+        active = self._active
+        old = active.pop(session_id, None)
         if old is not None:
-            self._count(old[0], -1)
+            self._count(old[0], -old[2])
+        active[session_id] = (endpoint, now, weight)
+        self._count(endpoint, weight)
+        last = self._last
         last[session_id] = (endpoint, now)
         last.move_to_end(session_id)
-        self._count(endpoint, 1)
         while last and (
             len(last) > self.max_sessions or now - next(iter(last.values()))[1] > self.ttl_s
         ):
-            self._count(last.popitem(last=False)[1][0], -1)
+            gone = active.pop(last.popitem(last=False)[0], None)
+            if gone is not None:
+                self._count(gone[0], -gone[2])
+        self.expire(now)

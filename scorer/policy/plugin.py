@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
-from scorer.policy.cost import BusyOptions, CostRow, FleetTerms, LoadTable, load_table
+from scorer.policy.cost import BusyOptions, CostTable, LoadTable, load_table
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.routing import Reason, RoutingRequest
 
@@ -53,21 +53,16 @@ class Cycle:
     # Indices of the candidates the scorers and the picker see (after the filters).
     eligible: list[int] = field(default_factory=list)
     all_filtered: bool = False  # every candidate was filtered: all are scored anyway
-    # The cache side of the cost per candidate index (scorer dynamo_cost), for the
-    # explanation rows: the same numbers the cost used.
-    cost_rows: dict[int, CostRow] = field(default_factory=dict)
+    # The cost term by term (scorer dynamo_cost), for the explanation rows: the same
+    # numbers the cost used.
+    cost: CostTable | None = None
     # The index lookup the explanation rows show (the first cache scorer's).
     shown_matches: Mapping[str, MatchLike] = field(default_factory=dict)
     # Busy thresholds applied while building the load table (the profile's busy filter).
     busy: BusyOptions | None = None
     stale_any: bool = False  # a cost row's credit was cut for a stale event stream
-    # Blocks of the best cached prefix each candidate would write again (dynamo_cost's
-    # duplicate_cost term, when on), for the explanation rows.
-    duplicate_blocks: dict[int, float] = field(default_factory=dict)
-    # Per candidate index: predicted TTFT, block life, continuity (dynamo_cost's fleet
-    # terms), for the explanation rows.
-    fleet_terms: FleetTerms | None = None
     _load: LoadTable | None = None
+    _endpoints: list[str] | None = None
     _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
 
     @property
@@ -84,6 +79,14 @@ class Cycle:
             )
         return t
 
+    @property
+    def endpoints(self) -> list[str]:
+        """The candidates' endpoints (parallel to `candidates`; built once)."""
+        eps = self._endpoints
+        if eps is None:
+            eps = self._endpoints = [w.endpoint for w in self.candidates]
+        return eps
+
     def matches(self, index: IndexLike | None) -> Mapping[str, MatchLike]:
         """Each candidate's cached prefix in `index` (one lookup per index per decision)."""
         keys = self.request.block_keys
@@ -91,9 +94,7 @@ class Cycle:
             return _EMPTY
         got = self._matches.get(id(index))
         if got is None:
-            got = self._matches[id(index)] = index.match(
-                keys, [w.endpoint for w in self.candidates]
-            )
+            got = self._matches[id(index)] = index.match(keys, self.endpoints)
         return got
 
 

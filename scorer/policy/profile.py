@@ -29,6 +29,7 @@ from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
 from scorer.policy.cost import BusyOptions
+from scorer.policy.parts import MatchLike
 from scorer.policy.plugin import Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
 from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
@@ -182,12 +183,13 @@ class Profile(Policy):
         for f in self.filters:
             f.filter(cycle)
         filtered = cycle.filtered
-        eligible = [i for i in range(n) if filtered[i] is None]
+        # (A filtered candidate's entry is its reason, a non-empty string.)
+        eligible = [i for i in range(n) if filtered[i] is None] if any(filtered) else [*range(n)]
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
                 d = refuse(self.name, Reason.SHED, "every eligible worker is busy")
-                d.candidates = self._rows(cycle, {})
+                d.candidates = explanation_rows(cycle, None, None)
                 t_score = time.perf_counter()
                 d.stages["match"] = t_match - t0
                 d.stages["score"] = t_score - t_match
@@ -210,41 +212,42 @@ class Profile(Policy):
         j = self.picker.pick(cycle, costs)
         t_score = time.perf_counter()
 
-        cost_of = dict(zip(eligible, costs, strict=True)) if scorers else {}
-        rows = self._rows(cycle, cost_of)
-        win = rows[eligible[j]]
-        endpoints = [win.endpoint]
+        win = eligible[j]
+        eps = cycle.endpoints
+        endpoints = [eps[win]]
         if self.fallback_count:
             rest = [k for k in self.picker.order(cycle, costs) if k != j]
-            endpoints += [rows[eligible[k]].endpoint for k in rest[: self.fallback_count]]
-        reason, notes = self._reason(cycle, rows, win)
+            endpoints += [eps[eligible[k]] for k in rest[: self.fallback_count]]
+        reason, notes = self._reason(cycle, win)
+        # The rows are built when first read (/debug/decisions, the Score RPC), from this
+        # decision's numbers: in-flight counts as they are now, before the commit.
+        rows = explanation_rows(cycle, costs if scorers else None, _requests(candidates))
         if not request.dry_run:
             for plug in self.plugins:
-                plug.commit(cycle, eligible[j])
+                plug.commit(cycle, win)
         d = Decision(
             endpoints=endpoints,
             reason=reason,
             policy=self.name,
-            candidates=rows,
-            matched_tokens=win.matched_tokens,
+            matched_tokens=_held_blocks(cycle, win) * block_size,
             request_tokens=request.prompt_tokens,
             notes=notes,
         )
+        d.candidates = rows
         d.stages["match"] = t_match - t0
         d.stages["score"] = t_score - t_match
         d.stages["explain"] = time.perf_counter() - t_score
         return d
 
-    def _reason(
-        self, cycle: Cycle, rows: list[CandidateScore], win: CandidateScore
-    ) -> tuple[Reason, list[str]]:
-        """Why the winner won, and the secondary reasons."""
+    def _reason(self, cycle: Cycle, win: int) -> tuple[Reason, list[str]]:
+        """Why candidate `win` won, and the secondary reasons."""
         notes: list[str] = []
         if self.picker.reason is not None:
             return self.picker.reason, notes
         fallback = no_token_reason(cycle.request) if self.needs_tokens else None
         stale_any = cycle.stale_any
         stale = str(Reason.STALE_EVENTS)
+        win_blocks = _held_blocks(cycle, win)
         if cycle.all_filtered:
             reason = Reason.BUSY_ALL
             if fallback is not None:
@@ -252,55 +255,100 @@ class Profile(Policy):
         elif fallback is not None:
             reason = fallback
         elif stale_any and (
-            win.note == stale
+            _stale_row(cycle, win)
             or any(
-                rows[i].note == stale and rows[i].matched_blocks > win.matched_blocks
-                for i in cycle.eligible
+                _stale_row(cycle, i) and _held_blocks(cycle, i) > win_blocks for i in cycle.eligible
             )
         ):
             reason = Reason.STALE_EVENTS
-        elif win.matched_blocks > 0:
+        elif win_blocks > 0:
             reason = Reason.KV_HIT
         else:
             reason = Reason.LOAD
         if stale_any and reason is not Reason.STALE_EVENTS:
             notes.append(stale)
-        if not cycle.all_filtered:
-            # A filtered worker held more of the prompt than the winner: say it spilled.
-            spilled = max(
-                (c for c in rows if c.filtered is not None),
-                key=lambda c: c.matched_blocks,
-                default=None,
-            )
-            if spilled is not None and spilled.matched_blocks > win.matched_blocks:
-                notes.append(f"spilled:{spilled.filtered}")
+        filtered = cycle.filtered
+        if not cycle.all_filtered and any(filtered):
+            # A filtered worker held more of the prompt than the winner: say it spilled
+            # (the first of the filtered holding the most).
+            top, why = -1, None
+            for i, f in enumerate(filtered):
+                if f is not None and (b := _held_blocks(cycle, i)) > top:
+                    top, why = b, f
+            if top > win_blocks:
+                notes.append(f"spilled:{why}")
         return reason, notes
 
-    @staticmethod
-    def _rows(cycle: Cycle, cost_of: dict[int, float]) -> list[CandidateScore]:
-        """One explanation row per candidate (filtered ones included), from the numbers
-        the filters, the cost and the picker used."""
-        load = cycle.load
-        pfs, dcs, wqs, kus = load.prefill, load.decode, load.waiting, load.kv_usage
-        matches = cycle.shown_matches
-        cost_rows = cycle.cost_rows
-        filtered = cycle.filtered
-        bs = cycle.block_size
+
+def _requests(candidates: Sequence[Worker]) -> list[int]:
+    """Each candidate's in-flight requests now (the rows show them as decided)."""
+    return [w.inflight.requests for w in candidates]
+
+
+def _held_blocks(cycle: Cycle, i: int) -> int:
+    """Candidate i's cached prefix in blocks, as its explanation row shows it: the cost's
+    match when the cost scored it, else the shown lookup."""
+    table = cycle.cost
+    if table is not None:
+        k = table.position(i)
+        if k is not None and (m := table.matches[k]) is not None:
+            return m.blocks
+    matches = cycle.shown_matches
+    mm = matches.get(cycle.endpoints[i]) if matches else None
+    return 0 if mm is None else mm.blocks
+
+
+def _stale_row(cycle: Cycle, i: int) -> bool:
+    """Whether candidate i's row carries the stale_events note (credit cut for staleness)."""
+    table = cycle.cost
+    if table is None or table.stale is None:
+        return False
+    k = table.position(i)
+    return k is not None and table.matches[k] is not None and table.stale[k]
+
+
+def explanation_rows(
+    cycle: Cycle, costs: list[float] | None, requests: list[int] | None
+) -> Callable[[], list[CandidateScore]]:
+    """A function building one explanation row per candidate (filtered ones included)
+    from the numbers the filters, the cost and the picker used. It holds those numbers
+    only (not the request: a deferred builder stays with its decision in the log).
+    `requests`: each candidate's in-flight requests at decision time (None: now)."""
+    candidates = cycle.candidates
+    load = cycle.load
+    pfs, dcs, wqs, kus = load.prefill, load.decode, load.waiting, load.kv_usage
+    matches = cycle.shown_matches
+    table = cycle.cost
+    filtered = cycle.filtered
+    bs = cycle.block_size
+    eligible = cycle.eligible
+    reqs = _requests(candidates) if requests is None else requests
+
+    def build() -> list[CandidateScore]:
+        cost_of = dict(zip(eligible, costs, strict=True)) if costs is not None else {}
+        n = len(candidates)
+        # The cost's columns by candidate index (no cost: no cost rows).
+        if table is None:
+            cms: list[MatchLike | None] = [None] * n
+            wts: list[float] = []
+            crs: list[float] = []
+            stales: list[bool] | None = None
+        else:
+            cms, wts, crs, stales = table.by_candidate(n)
         rows: list[CandidateScore] = []
         add = rows.append
-        for i, w in enumerate(cycle.candidates):
-            got = cost_rows.get(i)
+        for i, (w, m) in enumerate(zip(candidates, cms, strict=True)):
             note: str | None = None
-            if got is None:
+            if m is None:
                 # No cost row for this candidate: the match shown, neutral cost terms.
                 mm = matches.get(w.endpoint) if matches else None
                 blocks = 0 if mm is None else mm.blocks
                 by_medium = {} if mm is None else mm.by_medium
                 weighted, credit = 0.0, 1.0
             else:
-                m, weighted, credit, stale = got
                 blocks, by_medium = m.blocks, m.by_medium
-                if stale:
+                weighted, credit = wts[i], crs[i]
+                if stales is not None and stales[i]:
                     note = "stale_events"
             add(
                 CandidateScore(
@@ -310,7 +358,7 @@ class Profile(Policy):
                     by_medium,
                     weighted,
                     credit,
-                    w.inflight.requests,
+                    reqs[i],
                     pfs[i],
                     dcs[i],
                     wqs[i],
@@ -320,12 +368,15 @@ class Profile(Policy):
                     note,
                 )
             )
-        if cycle.duplicate_blocks:
-            for i, extra in cycle.duplicate_blocks.items():
-                rows[i].duplicate_blocks = extra
-        ft = cycle.fleet_terms
-        if ft is not None:
-            # (table, candidate index): the row's terms are built when it is shown.
-            for i in ft.eligible:
-                rows[i].terms = (ft, i)
+        if table is not None:
+            best, held = table.best_held, table.held
+            if best is not None and held is not None:
+                for i, h in zip(table.eligible, held, strict=True):
+                    rows[i].duplicate_blocks = best - h
+            if table.fleet is not None:
+                # (table, candidate index): the row's terms are built when it is shown.
+                for i in table.eligible:
+                    rows[i].terms = (table, i)
         return rows
+
+    return build

@@ -88,9 +88,14 @@ INLINE_MAX_STALL_S = 1e-3
 INLINE_MAX_BYTES = 8192
 # The Qwen3 template renders ~5 µs per message (bench/bench_tokens.py: 0.30 ms for 58).
 RENDER_S_PER_MESSAGE = 6e-6
-# Token-id prompts up to this many ids are hashed on the event loop (~20 µs per 1,000 ids);
-# longer ones go to the pool like any other heavy work.
-INLINE_MAX_IDS = 2048
+# Token-id prompts up to this many ids are hashed on the event loop (~20-30 µs per 1,000
+# ids, less than decoding the same ids from the JSON body, which the loop already did);
+# longer ones go to the pool. The pool hop is not free: the hashing holds the GIL either
+# way, and under CPU contention handing it to a thread and back cost 10-15 ms wall at p50
+# (e2e Mooncake run, prompts of 2k-30k ids: decision total 13.7 ms through the pool,
+# 1.2 ms inline; bench/routing/results.md, "decision latency"), which is why 2,048 was too
+# low: most conversation prompts are longer.
+INLINE_MAX_IDS = 32768
 
 
 def _id_count(body: Mapping[str, Any]) -> int:

@@ -79,6 +79,32 @@ def test_run_e2e_interleaves_policies_over_repeats(
     assert "not installed" in out["vllm_router_kv_aware"]["error"]
 
 
+def test_breakdown_pairs_repeated_prompts_in_order() -> None:
+    """A prompt sent twice is joined send-by-send with its arrivals (not both with one)."""
+    from kvscorer_tools.bench.e2e.breakdown import breakdown
+
+    def line(key: int, arrival: float, admitted: float, first: float) -> dict[str, Any]:
+        return {
+            "key": key, "arrival": arrival, "admitted": admitted, "first": first,
+            "ttft_ms": (first - arrival) * 1000 * 2, "waiting": 1, "running": 0,
+        }  # fmt: skip
+
+    sims = [
+        [line(7, 10.010, 10.020, 10.050)],
+        [line(7, 1.010, 1.010, 1.030), line(8, 2.0, 2.1, 2.2)],
+    ]
+    records = [(7, 10.0, 10.055), (7, 1.0, 1.032), (9, 3.0, 3.1)]  # key 9: never arrived
+    b = breakdown(records, sims, speed=2.0)
+    assert b["matched"] == 2
+    assert b["per_worker"]["requests"] == [1, 1]
+    legs = b["legs"]
+    assert legs["to_engine_wall_ms"]["p50"] == pytest.approx(10.0)
+    assert legs["back_wall_ms"]["mean"] == pytest.approx(3.5)
+    assert legs["queue_ms"]["mean"] == pytest.approx(10.0)  # (0 + 10 wall ms) x 2 / 2
+    # Proxy legs once in wall ms, the engine in model ms: 10 + 40 + 2 and 10 + 80 + 5.
+    assert b["ttft_real_p50_ms"] == pytest.approx((52 + 95) / 2)
+
+
 def test_table_and_sweep_show_the_spread(tmp_path: Path) -> None:
     kv = combine_repeats([entry(0.3, 100, 900), entry(0.1, 300, 700)])
     table = report.format_table({"kv": kv, "oracle": {"hit_rate": 0.5}})
@@ -134,6 +160,13 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
     assert 0 < rr["hit_rate"] <= doc["policies"]["oracle"]["hit_rate"] + 1e-9
     assert doc["settings"]["repeats"] == 2
     assert all(r["send_lag_p99_ms"] >= 0 for r in rr["runs"])
+    # Every request found in the sims' request logs; its legs in order on one clock.
+    for r in rr["runs"]:
+        b = r["breakdown"]
+        assert b["matched"] == 6 and sum(b["per_worker"]["requests"]) == 6
+        assert b["legs"]["to_engine_wall_ms"]["p50"] > 0 and b["legs"]["queue_ms"]["p50"] >= 0
+        assert r["ttft_real_p50_ms"] > 0 and r["cpu_s"]["sims"] > 0 and r["cpu_s"]["router"] > 0
+    assert "to engine p50" in (report.format_breakdown(doc["policies"]) or "")
 
 
 def test_e2e_capacity_sweep_runs_each_capacity_on_its_own_fleet(

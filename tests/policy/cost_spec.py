@@ -1,6 +1,6 @@
 """The cost model written out plainly from docs/policy.md, one worker at a time.
 
-scorer/policy/cost.py holds the one implementation (fused, flat lists, for speed); these
+scorer/policy/cost.py holds the one implementation (a term at a time, for speed); these
 functions are its specification for the tests: on random fleets every explanation row of
 a real decision must equal what they compute.
 """
@@ -61,3 +61,18 @@ def cost(
 ) -> float:
     """scale * max(prefill + R - credit, 0) + decode + R."""
     return scale * max(prefill + request_blocks - credit, 0.0) + decode + request_blocks
+
+
+def duplicate_term(dup: float, best_overlap: float, overlap: float) -> float:
+    """duplicate_cost x (best weighted overlap among the eligible - this one's)."""
+    return dup * max(best_overlap - overlap, 0.0)
+
+
+def previous_by_prefix(blocks: dict[int, int], prompt_blocks: int, min_match: float) -> int | None:
+    """Without a session id: the one candidate holding the longest cached prefix, when that
+    covers min_match of the prompt (several equally long: a shared prefix, no one turn)."""
+    top = max(blocks.values(), default=0)
+    if top <= 0 or top < min_match * prompt_blocks:
+        return None
+    holders = [i for i, b in blocks.items() if b == top]
+    return holders[0] if len(holders) == 1 else None

@@ -1,7 +1,8 @@
-"""scorer.policy.cost implements the cost model once, fused for speed (scoring 64
-candidates is budgeted at 50 µs). tests/policy/cost_spec.py writes it out plainly, one
-worker at a time: on random fleets every candidate row of a real `kv` decision must equal
-what the spec computes."""
+"""scorer.policy.cost implements the cost model once, evaluated a term at a time over all
+candidates for speed (scoring 64 candidates is budgeted at 50 µs). tests/policy/cost_spec.py
+writes it out plainly, one worker at a time: on random fleets every candidate row of a real
+`kv` decision (load, credit, duplicate and continuity terms) must equal what the spec
+computes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import math
 from typing import Any
 
 import pytest
-from cost_spec import busy_reason, cost, decayed_credit, load_terms
+from cost_spec import (
+    busy_reason,
+    cost,
+    decayed_credit,
+    duplicate_term,
+    load_terms,
+    previous_by_prefix,
+)
 from hypo import scaled
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -39,6 +47,9 @@ options_st = st.fixed_dictionaries(
         "busy_kv_usage": st.sampled_from([None, 0.5, 0.8]),
         "busy_inflight": st.sampled_from([None, 4]),
         "shed_when_busy": st.just(False),
+        # Fleet terms every candidate pays (no session id: continuity by longest prefix).
+        "duplicate_cost": st.sampled_from([0.0, 0.5, 12.0]),
+        "continuity": st.sampled_from([0.0, 0.6]),
         "speculative": st.just(False),
     }
 )
@@ -82,6 +93,13 @@ def test_decide_rows_equal_the_reference_functions(
     load_min = min(terms[i].total for i in eligible)
     matches = s.index.match(prompt, s.endpoints)
     rows = {c.endpoint: c for c in d.candidates}
+    eps = [w.endpoint for w in s.pool]
+    cached = {i: m for i in eligible if (m := matches.get(eps[i])) is not None}
+    best = max((m.weighted for m in cached.values()), default=0.0)
+    previous = None
+    if opts.continuity > 0.0:  # type: ignore[attr-defined]
+        blocks = {i: m.blocks for i, m in cached.items()}
+        previous = previous_by_prefix(blocks, len(prompt), opts.continuity_min_match)  # type: ignore[attr-defined]
     for i, w in enumerate(s.pool):
         row = rows[w.endpoint]
         assert row.prefill_blocks == pytest.approx(terms[i].prefill)
@@ -99,4 +117,12 @@ def test_decide_rows_equal_the_reference_functions(
             assert row.credit == pytest.approx(credit)
             assert row.weighted_overlap == pytest.approx(m.weighted)
         want = cost(opts.prefill_load_scale, terms[i].prefill, terms[i].decode, req_blocks, overlap)  # type: ignore[attr-defined]
+        weighted = 0.0 if m is None else m.weighted
+        if cached:
+            want += duplicate_term(opts.duplicate_cost, best, weighted)  # type: ignore[attr-defined]
+            assert row.duplicate_blocks == pytest.approx(
+                best - weighted if opts.duplicate_cost > 0.0 else 0.0  # type: ignore[attr-defined]
+            )
+        if i == previous:
+            want *= 1.0 - opts.continuity  # type: ignore[attr-defined]
         assert row.cost is not None and math.isclose(row.cost, want, rel_tol=1e-9, abs_tol=1e-9)

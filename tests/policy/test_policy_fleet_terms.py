@@ -169,6 +169,53 @@ def test_live_sessions_counted_per_worker() -> None:
     assert (ss.live("a"), ss.live("b")) == (0, 2)
 
 
+def test_live_sessions_weighted_and_expired_after_live_s() -> None:
+    ss = Sessions(max_sessions=10, ttl_s=100.0, live_s=10.0)
+    ss.put("big", "a", 0.0, weight=300.0)
+    ss.put("s1", "b", 1.0, weight=40.0)
+    ss.put("s2", "b", 2.0, weight=40.0)
+    assert (ss.live("a"), ss.live("b")) == (300.0, 80.0)
+    ss.put("big", "a", 5.0, weight=310.0)  # it grew: the new weight replaces the old
+    assert ss.live("a") == 310.0
+    ss.expire(12.5)  # s1, s2 idle past live_s: no longer counted, still remembered
+    assert (ss.live("a"), ss.live("b")) == (310.0, 0.0)
+    assert ss.get("s1", 12.5) == "b"
+    ss.put("s1", "b", 13.0, weight=50.0)  # back: counted again
+    assert ss.live("b") == 50.0
+
+
+def test_session_spread_by_blocks_and_its_explanation() -> None:
+    """W0 hosts one large session (300 blocks), W1 three small ones (3 x 10 blocks).
+
+    Counting sessions, the new session goes to W0 (1 live vs 3); weighing them by their
+    blocks, to W1 (30 vs 300). The rows show each candidate's live weight.
+    """
+    k = keys(10)
+    for weight, winner, shown in (("sessions", 0, (1.0, 3.0)), ("blocks", 1, (300.0, 30.0))):
+        opts = {**BASE, "session_spread": 1.0, "continuity": 0.1, "session_weight": weight}
+        s = make(2, options=opts)
+        scorer = s.policy.scorers[0]
+        now = s.policy.clock()
+        w = 1.0 if weight == "sessions" else 300.0
+        scorer.sessions.put("big", endpoint(0), now, w)
+        for j in range(3):
+            scorer.sessions.put(f"small{j}", endpoint(1), now, 1.0 if w == 1.0 else 10.0)
+        d = s.policy.decide(request(k, session_id="new"), list(s.pool))
+        assert d.endpoint == endpoint(winner)
+        rows = by_ep(d)
+        got = tuple(rows[endpoint(i)].as_dict()["terms"]["live_sessions"] for i in (0, 1))
+        assert got == shown
+        # An old session's next turn is not spread: no live weight shown.
+        d = s.policy.decide(request(keys(10, base=7000), session_id="big"), list(s.pool))
+        assert all(c.as_dict()["terms"]["live_sessions"] is None for c in d.candidates)
+
+
+def test_session_weight_blocks_records_the_request_blocks() -> None:
+    s = make(2, options={**BASE, "session_spread": 1.0, "session_weight": "blocks"})
+    d = s.policy.decide(request(keys(12), session_id="s"), list(s.pool))
+    assert s.policy.scorers[0].sessions.live(d.endpoint) == 12.0
+
+
 def test_session_spread_places_a_new_session_away_from_busy_hosts() -> None:
     """W0 holds the shared system prompt (8 of 10 blocks) and already serves two sessions.
 
@@ -195,5 +242,6 @@ def test_kv_ships_the_fleet_terms_approx_keeps_the_plain_cost() -> None:
     approx = make(2, policy="approx").policy.scorers[0].options
     assert (kv.duplicate_cost, kv.continuity, kv.credit_decay) == (12.0, 0.6, 0.05)
     assert kv.session_spread > 0 and not kv.block_life and kv.unit == "blocks"
+    assert (kv.session_weight, kv.session_live_s) == ("sessions", 600.0)
     assert (approx.duplicate_cost, approx.continuity, approx.session_spread) == (0, 0, 0)
     assert approx.credit_decay == 0.1

@@ -221,3 +221,23 @@ def test_cli_rejects_bad_flags() -> None:
         capture_output=True, text=True, cwd=REPO, timeout=30,
     )  # fmt: skip
     assert proc.returncode == 2 and "--block-size" in proc.stderr
+
+
+async def test_request_log_has_one_line_per_request(tmp_path: Path) -> None:
+    """`--request-log`: the prompt's key (hash of its ids), its times in order, its hit."""
+    log = tmp_path / "req.jsonl"
+    cfg = SimConfig(port=0, block_size=4, capacity_blocks=64, speed=100.0, model="m")
+    cfg.request_log = str(log)
+    prompt = list(range(100, 117))
+    async with running_workers([cfg]) as ws:
+        for _ in range(2):
+            status, _body = await _post(
+                ws[0], "/v1/completions", {"prompt": prompt, "max_tokens": 2}
+            )
+            assert status == 200
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["key"] for x in lines] == [hash(tuple(prompt))] * 2
+    assert [x["cached_tokens"] for x in lines] == [0, 16]  # the second one hits
+    for x in lines:
+        assert x["arrival"] <= x["admitted"] <= x["first"] and x["ttft_ms"] > 0
+        assert x["prompt_tokens"] == 17 and x["waiting"] == 0

@@ -129,6 +129,8 @@ def test_heavy_work_leaves_the_event_loop(trusting: Tokenization) -> None:
     main = threading.get_ident()
     # A small token-id prompt is hashed inline: cheaper than a thread hop.
     assert _loop_thread_ids(trusting, {"prompt": list(range(100))}, 100) == {main}
+    # So is a conversation-length one (the pool hop cost 10-15 ms wall under load).
+    assert _loop_thread_ids(trusting, {"prompt": list(range(20_000))}, 20_000) == {main}
     # A large one goes to the pool (a 29 MB id prompt once stalled everything 2.3 s).
     assert main not in _loop_thread_ids(trusting, {"prompt": list(range(50_000))}, 50_000)
     # A small body with a template of its own: request code, always in the pool.

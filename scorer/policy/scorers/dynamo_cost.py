@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
@@ -42,6 +43,9 @@ class DynamoCostOptions(CostModelOptions):
     max_keys: int = Field(1_000_000, ge=1)
 
 
+_blocks = attrgetter("blocks")
+
+
 @plugin("dynamo_cost")
 class DynamoCost(Scorer):
     """-cost: cached prefix (by medium, decayed credit) against prefill and decode load."""
@@ -63,7 +67,7 @@ class DynamoCost(Scorer):
         # previous workers; the prefill model used until the director shares its fitted one.
         self.life = CacheLife(options.life_window_s) if options.block_life else None
         sessions = options.continuity > 0.0 or options.session_spread > 0.0
-        self.sessions = Sessions() if sessions else None
+        self.sessions = Sessions(live_s=options.session_live_s) if sessions else None
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
         if options.source == "decisions":
@@ -89,31 +93,26 @@ class DynamoCost(Scorer):
                 return self.stream_stale(w, now)
 
         matches = cycle.matches(self.index())
-        costs, rows, stale_any, terms = dynamo_costs(
+        table = dynamo_costs(
             cycle.candidates,
+            cycle.endpoints,
             cycle.eligible,
             cycle.load,
             matches,
             cycle.request_blocks,
             self.options,
             stale,
-            cycle.duplicate_blocks,
             self.fleet(cycle, matches) if self._fleet_on else None,
         )
-        cycle.fleet_terms = terms
-        cycle.cost_rows = rows
-        cycle.stale_any = stale_any
-        return costs
+        cycle.cost = table
+        cycle.stale_any = table.stale_any
+        return table.costs
 
     def fleet(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> FleetInputs:
         """This decision's inputs of the fleet terms (scorer.policy.cost.FleetInputs)."""
         o = self.options
         model = self.ctx.parts.prefill or self._model
         bs = cycle.block_size
-
-        def prefill_ms(tokens: float) -> float:
-            return 1000.0 * model.estimate(tokens)
-
         now = cycle.now
         cands = cycle.candidates
         keys = cycle.request.block_keys
@@ -138,51 +137,61 @@ class DynamoCost(Scorer):
         previous: int | None = None
         if o.continuity > 0.0:
             previous = self._previous(cycle, matches)
-        live: list[int] | None = None
+        live: list[float] | None = None
         ss = self.sessions
         sid = cycle.request.session_id
         if ss is not None and sid and o.session_spread > 0.0 and ss.get(sid, now) is None:
-            live = [ss.live(cands[i].endpoint) for i in cycle.eligible]
+            ss.expire(now)
+            eps = cycle.endpoints
+            live = [ss.live(eps[i]) for i in cycle.eligible]
         return FleetInputs(
-            prefill_ms,
+            (model.a, model.b, model.min_s, model.max_s),
             1000.0 * model.b * bs,
             bs,
             life,
             previous,
             live,
-            (model.a, model.b, model.min_s, model.max_s),
         )
 
     def _previous(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> int | None:
         """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible."""
-        cands = cycle.candidates
+        eps = cycle.endpoints
+        eligible = cycle.eligible
         sid = cycle.request.session_id
         if sid and self.sessions is not None:
             # A session names its previous turn; a new one has none (its prefix may be a
             # system prompt shared with other sessions, not a previous turn).
             ep = self.sessions.get(sid, cycle.now)
-            if ep is None:
-                return None
-            return next((i for i in cycle.eligible if cands[i].endpoint == ep), None)
+        else:
+            ep = self._longest_prefix(cycle, matches)
+        if ep is None:
+            return None
+        # Its candidate index, if it is eligible.
+        try:
+            i = eps.index(ep)
+        except ValueError:
+            return None
+        return i if len(eligible) == len(eps) or i in eligible else None
+
+    def _longest_prefix(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> str | None:
+        """The endpoint holding the longest cached prefix among the eligible candidates,
+        when it is the only one that long and covers continuity_min_match of the prompt."""
         keys = cycle.request.block_keys
         if not matches or not keys:
             return None
         held = matches
-        if len(cycle.eligible) != len(cands):
+        if len(cycle.eligible) != len(cycle.candidates):
             # Only the eligible candidates' prefixes count.
-            eps = (cands[i].endpoint for i in cycle.eligible)
-            held = {e: m for e in eps if (m := matches.get(e)) is not None}
-        top, ep, count = 0, None, 0
-        for e, mm in held.items():
-            b = mm.blocks
-            if b > top:
-                top, ep, count = b, e, 1
-            elif b == top and b > 0:
-                count += 1
-        # A prefix held by several workers (a shared system prompt) names no one turn.
-        if ep is None or count > 1 or top < self.options.continuity_min_match * len(keys):
+            eps = cycle.endpoints
+            held = {e: m for i in cycle.eligible if (m := matches.get(e := eps[i])) is not None}
+        if not held:
             return None
-        return next((i for i in cycle.eligible if cands[i].endpoint == ep), None)
+        blocks = list(map(_blocks, held.values()))
+        top = max(blocks)
+        # A prefix held by several workers (a shared system prompt) names no one turn.
+        if top <= 0 or blocks.count(top) > 1 or top < self.options.continuity_min_match * len(keys):
+            return None
+        return list(held)[blocks.index(top)]
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
@@ -209,7 +218,8 @@ class DynamoCost(Scorer):
         w = cycle.candidates[winner]
         ep = w.endpoint
         if self.sessions is not None and cycle.request.session_id:
-            self.sessions.put(cycle.request.session_id, ep, cycle.now)
+            weight = cycle.request_blocks if self.options.session_weight == "blocks" else 1.0
+            self.sessions.put(cycle.request.session_id, ep, cycle.now, weight)
         if self.life is not None and keys:
             self._record_life(cycle, w, keys)
         if self.approx is not None:

@@ -377,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
     )
     print()
     print(report.format_table(doc["policies"], title))
+    where = report.format_breakdown(doc["policies"])
+    if where:
+        print()
+        print(where)
     report.plot_policies(doc["policies"], out / "policies.png", title)
     if "capacity_sweep" in doc:
         print()

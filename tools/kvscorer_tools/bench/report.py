@@ -98,6 +98,59 @@ def format_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = 
     return "\n".join(lines)
 
 
+def format_breakdown(policies: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """Where each policy's TTFT went (e2e runs with the sims' request logs; see
+    kvscorer_tools.bench.e2e.breakdown): real p50/p99 are medians over the repeats, the
+    legs and CPU come from the last repeat; None when no entry has a breakdown.
+
+    `real` counts the proxy legs once in wall time (the client's TTFT multiplies them by
+    the time scale); `to engine` is the router's path in wall ms; queue and prefill are
+    the engine's model ms; CPU is the seconds the router (Envoy + scorer, or the peer)
+    and the eight sims used during the run."""
+    headers = [
+        "policy", "real p50", "real p99", "to engine p50 (wall)", "queue p50", "queue p99",
+        "prefill p50", "router CPU s", "sims CPU s",
+    ]  # fmt: skip
+    rows: list[list[str]] = []
+    for name, r in policies.items():
+        last = (r.get("runs") or [r])[-1]
+        b = last.get("breakdown")
+        if not b:
+            continue
+        legs, cpu = b.get("legs", {}), last.get("cpu_s", {})
+
+        def leg(key: str, q: str, legs: Mapping[str, Any] = legs) -> str:
+            v = legs.get(key, {}).get(q)
+            return "-" if v is None else f"{float(v):.0f}"
+
+        rows.append(
+            [
+                name,
+                # Medians over the repeats (as the main table's TTFT), the legs: last repeat.
+                _fmt(r.get("ttft_real_p50_ms", last.get("ttft_real_p50_ms")), "ttft_p50_ms"),
+                _fmt(r.get("ttft_real_p99_ms", last.get("ttft_real_p99_ms")), "ttft_p99_ms"),
+                leg("to_engine_wall_ms", "p50"),
+                leg("queue_ms", "p50"),
+                leg("queue_ms", "p99"),
+                leg("prefill_ms", "p50"),
+                str(cpu.get("router", "-")),
+                str(cpu.get("sims", "-")),
+            ]
+        )
+    if not rows:
+        return None
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    lines = ["where TTFT went (ms; real: median of the repeats, the rest: last repeat)"]
+    for row in [headers, ["-" * w for w in widths], *rows]:
+        lines.append(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    return "\n".join(lines)
+
+
 def format_sweep(sweep: Mapping[str, Any]) -> str:
     """The capacity sweep as two tables (hit rate, TTFT p99): one row per policy, one
     column per capacity; with the repeats' min-max when the sweep has them."""

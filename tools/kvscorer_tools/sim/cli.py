@@ -96,6 +96,13 @@ def register(subparsers: Any) -> None:
         help="tokenizer.json (or its directory); default: synthetic word-hash ids",
     )
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    p.add_argument(
+        "--request-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per request at its first token (arrival, admission and "
+        "first-token times on the monotonic clock, queue ahead, cached tokens)",
+    )
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=run)
 
@@ -127,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         speed=args.speed,
         seed=args.seed,
         kv_events=args.kv_events,
+        request_log=args.request_log,
         kv_events_mode=args.kv_events_mode,
         replay=args.replay,
         era=args.era,

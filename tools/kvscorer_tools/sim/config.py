@@ -35,4 +35,7 @@ class SimConfig:
     vocab_size: int = 32000  # synthetic tokenizer only
     default_max_tokens: int = 16
     timing: TimingModel | None = None  # None: default model at `speed`
+    # A file to append one JSON line per request to at its first token (timestamps, queue,
+    # cache hit): the benchmark's latency breakdown. None: no log.
+    request_log: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # free-form, shown in /server_info

@@ -30,7 +30,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -75,6 +75,8 @@ class SimRequest:
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     ttft_s: float | None = None  # model seconds
+    ahead: tuple[int, int] = (0, 0)  # (waiting, running) when it arrived
+    admitted_at: float = 0.0  # wall clock (monotonic) its prefill step started
     finish_reason: str | None = None
     queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -135,6 +137,8 @@ class Engine:
         self._clock = 0.0  # the deadline the last step ended on (wall clock)
         self._ids = itertools.count()
         self.steps = 0
+        # Called at a request's first token with (request, step start, step end), wall clock.
+        self.on_first_token: Callable[[SimRequest, float, float], None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -187,6 +191,7 @@ class Engine:
         req.extra_blocks = blocks - len(req.hashes)
         digest = hashlib.blake2b(repr((self.seed, req.prompt_ids)).encode(), digest_size=8).digest()
         req.rng = random.Random(int.from_bytes(digest, "big"))
+        req.ahead = (len(self.waiting), len(self.running))
         self.waiting.append(req)
         self._wake.set()
 
@@ -302,7 +307,10 @@ class Engine:
             for req in admitted:
                 # TTFT in model seconds, from the step's scheduled end (no loop jitter).
                 req.ttft_s = self.timing.model_s(end - req.arrival)
+                req.admitted_at = start
                 self.metrics.ttft.observe(req.ttft_s)
+                if self.on_first_token is not None:
+                    self.on_first_token(req, start, end)
             for req in [*decoding, *admitted]:
                 if req.finish_reason is not None:
                     continue  # aborted during the step

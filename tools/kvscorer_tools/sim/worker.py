@@ -21,14 +21,15 @@ settings: config.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
-from typing import Any
+from typing import IO, Any
 
 from aiohttp import web
 
 from kvscorer_tools.sim.config import SimConfig
-from kvscorer_tools.sim.engine import Engine, RequestRejected
+from kvscorer_tools.sim.engine import Engine, RequestRejected, SimRequest
 from kvscorer_tools.sim.kvevents import KVEventPublisher
 from kvscorer_tools.sim.metrics import SimMetrics
 from kvscorer_tools.sim.openai_api import (
@@ -79,6 +80,11 @@ class SimWorker:
             era=c.era,
             seed=c.seed,
         )
+        self._request_log: IO[str] | None = None
+        if c.request_log is not None:
+            # Line-buffered: a reader (the benchmark) sees every finished line at once.
+            self._request_log = open(c.request_log, "a", buffering=1)  # noqa: SIM115
+            self.engine.on_first_token = self._log_request
         self.started_at = int(time.time())
         self.parse = OpenAIRequests(c, self.tokenizer, self.engine.next_id)
         self._runner: web.AppRunner | None = None
@@ -152,6 +158,28 @@ class SimWorker:
             self._runner = None
         if self.publisher is not None:
             await self.publisher.stop()
+        if self._request_log is not None:
+            self._request_log.close()
+            self._request_log = None
+
+    def _log_request(self, req: SimRequest, start: float, end: float) -> None:
+        """One `--request-log` line: wall-clock (monotonic) times, model-time TTFT."""
+        if self._request_log is None:
+            return
+        line = {
+            # hash() of a tuple of ints is the same in every process (no hash seed), so
+            # the load generator can find its own requests by their token ids.
+            "key": hash(tuple(req.prompt_ids)),
+            "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": req.cached_tokens,
+            "waiting": req.ahead[0],
+            "running": req.ahead[1],
+            "arrival": req.arrival,
+            "admitted": start,
+            "first": end,
+            "ttft_ms": (req.ttft_s or 0.0) * 1000.0,
+        }
+        self._request_log.write(json.dumps(line) + "\n")
 
     async def __aenter__(self) -> SimWorker:
         await self.start()

@@ -6,6 +6,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvscorer_tools.bench.e2e.settings import MODEL, E2ESettings
 from kvscorer_tools.bench.procs import (
@@ -64,10 +65,21 @@ class SimFleet:
         self.settings = settings
         self.specs: list[SimSpec] = []
         self.procs: list[Proc] = []
+        # Per worker index, its `--request-log` file (none when the settings say so).
+        self.request_logs: list[Path] = []
 
-    def argv(self, spec: SimSpec) -> list[str]:
+    def argv(self, spec: SimSpec, index: int = 0) -> list[str]:
         s = self.settings
         cap = s.capacity_blocks or 10_000_000  # "unbounded"
+        extra: list[str] = []
+        if s.request_log:
+            log = (s.run_dir / "requests" / f"sim{index}.jsonl").resolve()
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.unlink(missing_ok=True)
+            while len(self.request_logs) <= index:
+                self.request_logs.append(log)
+            self.request_logs[index] = log
+            extra = ["--request-log", str(log)]
         return kv_scorer_argv(
             "sim",
             "--host",
@@ -99,6 +111,7 @@ class SimFleet:
             str(s.seed),
             "--log-level",
             "warning",
+            *extra,
         )
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -112,7 +125,7 @@ class SimFleet:
         for i in range(self.settings.workers):
             spec = SimSpec(free_port(), free_port(), free_port())
             self.specs.append(spec)
-            self.procs.append(self.group.start(f"sim{i}", self.argv(spec)))
+            self.procs.append(self.group.start(f"sim{i}", self.argv(spec, i)))
         for i in range(self.settings.workers):
             for attempt in range(1, _BIND_ATTEMPTS + 1):
                 spec, p = self.specs[i], self.procs[i]
@@ -132,7 +145,7 @@ class SimFleet:
                 self.group.stop(p)
                 spec = SimSpec(free_port(), free_port(), free_port())
                 self.specs[i] = spec
-                self.procs[i] = self.group.start(f"sim{i}-retry{attempt}", self.argv(spec))
+                self.procs[i] = self.group.start(f"sim{i}-retry{attempt}", self.argv(spec, i))
 
     def reset(self) -> None:
         """Drop every worker's prefix cache (vLLM's POST /reset_prefix_cache)."""

@@ -31,6 +31,8 @@ class LoadResult:
     send_lag_s: list[float] = field(default_factory=list)
     errors: int = 0
     done: int = 0
+    # (prompt key, sent, first token) per answered request, wall clock (breakdown.py).
+    records: list[tuple[int, float, float]] = field(default_factory=list)
     first_error: str | None = None
     t_start: float = 0.0
     t_end: float = 0.0
@@ -58,6 +60,31 @@ def completion_body(r: BenchRequest, stream: bool = True, text: bool = False) ->
 
 
 PREENCODE_BYTES = 1 << 30  # bodies encoded ahead of the run, at most (then on the fly)
+
+
+def prompt_key(r: BenchRequest, text: bool = False) -> int:
+    """The key a sim's `--request-log` gives this request: hash() of the token ids the sim
+    sees (a text prompt's words go through the sim's synthetic tokenizer)."""
+    ids = r.token_ids()
+    if text:
+        from kvscorer_tools.sim.prompts import load_tokenizer
+
+        ids = load_tokenizer(None, 32000).encode(" ".join(f"t{t}" for t in ids))
+    return hash(tuple(ids))
+
+
+_KEYS: list[tuple[Sequence[BenchRequest], bool, list[int]]] = []
+
+
+def prompt_keys(requests: Sequence[BenchRequest], text: bool = False) -> list[int]:
+    """prompt_key of every request, cached for the same request list (as the bodies)."""
+    for reqs, t, keys in _KEYS:
+        if reqs is requests and t == text:
+            return keys
+    out = [prompt_key(r, text) for r in requests]
+    _KEYS.append((requests, text, out))
+    del _KEYS[:-_ENCODED_KEEP]
+    return out
 
 
 def encode_body(r: BenchRequest, text: bool = False) -> bytes:
@@ -98,6 +125,7 @@ async def _one(
     timeout_s: float,
     text: bool = False,
     data: bytes | None = None,
+    key: int | None = None,
 ) -> None:
     headers = {"content-type": "application/json"}
     if r.session:
@@ -131,6 +159,8 @@ async def _one(
         return
     res.ttft_s.append(first - t0)
     res.done += 1
+    if key is not None:
+        res.records.append((key, t0, first))
 
 
 async def generate_load(
@@ -140,6 +170,7 @@ async def generate_load(
     timeout_s: float = 600.0,
     progress: Callable[[int, int], None] | None = None,
     text: bool = False,
+    keys: Sequence[int] | None = None,
 ) -> LoadResult:
     """Send every request at its arrival time (open loop, at most `concurrency` in flight).
 
@@ -164,7 +195,8 @@ async def generate_load(
                 await asyncio.sleep(delay)
             async with sem:
                 res.send_lag_s.append(max(time.perf_counter() - res.t_start - r.arrival_s, 0.0))
-                await _one(http, url, r, res, timeout_s, text, bodies[i])
+                key = keys[i] if keys is not None else None
+                await _one(http, url, r, res, timeout_s, text, bodies[i], key)
                 bodies[i] = None
             finished += 1
             if progress is not None:
@@ -198,8 +230,9 @@ def run_load(
 ) -> LoadResult:
     """Run the load generator to completion (its own event loop)."""
     prog = progress_printer(name) if settings.progress else None
+    keys = prompt_keys(wl.requests, text) if settings.request_log else None
     return asyncio.run(
         generate_load(
-            url, wl.requests, settings.concurrency, settings.request_timeout_s, prog, text
+            url, wl.requests, settings.concurrency, settings.request_timeout_s, prog, text, keys
         )
     )

@@ -25,6 +25,8 @@ import importlib.util
 import sys
 from typing import Any
 
+from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
+from kvscorer_tools.bench.e2e.cpu import CpuMeter
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.settings import PEER_POLICIES, ROUTING_PEERS, E2ESettings
@@ -104,9 +106,14 @@ def run_peer(
         # sglang-router 0.3.2 accepts only text prompts on /v1/completions (HTTP 422 for
         # token ids): it gets the same prompts as "t<id>" words (see completion_body).
         text = PEER_POLICIES[name][0] == "sglang_router"
+        marks = log_marks(fleet.request_logs)
+        cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": [proc.pid]})
         res = run_load(base + "/v1/completions", wl, settings, name, text)
+        cpu_s = cpu.done()
         after = fleet.counters()
         out = summarize(res, before, after, settings.speed, len(wl))
+        add_breakdown(out, res, fleet, marks, settings.speed, name)
+        out["cpu_s"] = cpu_s
         if res.done == 0:
             raise PeerError(f"every request failed; first: {res.first_error}\n{proc.log_tail()}")
         return out

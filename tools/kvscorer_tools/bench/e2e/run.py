@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvscorer_tools.bench.e2e import peers
+from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
+from kvscorer_tools.bench.e2e.cpu import CpuMeter
 from kvscorer_tools.bench.e2e.fleet import SimFleet
 from kvscorer_tools.bench.e2e.load import run_load
 from kvscorer_tools.bench.e2e.scorer import DIAGNOSTICS, ScorerRun
@@ -37,9 +39,17 @@ def run_ours(
         before = fleet.counters()
         counted = {"reasons": ("kv_scorer_decisions_total", ("reason",)), **DIAGNOSTICS}
         start = {key: run.counter(*spec) for key, spec in counted.items()}
+        marks = log_marks(fleet.request_logs)
+        router = [p.pid for p in (run.scorer,) if p is not None]
+        if run.envoy is not None and run.envoy.proc is not None:
+            router.append(run.envoy.proc.pid)
+        cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": router})
         res = run_load(run.url, wl, settings, policy)
+        cpu_s = cpu.done()
         after = fleet.counters()
         out = summarize(res, before, after, settings.speed, len(wl))
+        add_breakdown(out, res, fleet, marks, settings.speed, policy)
+        out["cpu_s"] = cpu_s
         for key, spec in counted.items():
             now = run.counter(*spec)
             delta = {k: v - start[key].get(k, 0) for k, v in now.items()}

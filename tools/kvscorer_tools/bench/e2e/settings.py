@@ -47,3 +47,6 @@ class E2ESettings:
     gateway: str | None = None
     # Response bodies sent to the scorer (the gateways send FULL_DUPLEX_STREAMED).
     response_body_mode: str = "NONE"
+    # Each sim logs its requests (`kv-scorer sim --request-log`) and each policy's entry
+    # gets the TTFT breakdown per leg and per worker (breakdown.py).
+    request_log: bool = True

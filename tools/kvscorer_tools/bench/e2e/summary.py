@@ -55,6 +55,8 @@ SPREAD_KEYS = (
     "hit_rate",
     "ttft_p50_ms",
     "ttft_p99_ms",
+    "ttft_real_p50_ms",
+    "ttft_real_p99_ms",
     "throughput_rps",
     "imbalance",
     "ttft_mean_ms",
