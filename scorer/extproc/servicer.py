@@ -36,13 +36,14 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
 from scorer.config import Config
 from scorer.director import Director
 from scorer.extproc import conformance, wire
 from scorer.extproc import protocol as P
 from scorer.extproc.transport import AbortStream, H2GrpcServer, H2Stream, StreamContext
+from scorer.histogram import LoopHistogram
 from scorer.routing import Decision
 
 log = logging.getLogger("scorer.extproc")
@@ -55,7 +56,8 @@ STREAMS = Counter(
     ["outcome"],
 )
 ACTIVE = Gauge("kv_scorer_extproc_active_streams", "ext_proc streams open now")
-ROUTE_SECONDS = Histogram(
+# Observed on the event loop (both transports run the servicer there): plain-list buckets.
+ROUTE_SECONDS = LoopHistogram(
     "kv_scorer_extproc_route_seconds",
     "Time from end of request body to routing answer (scorer side)",
     buckets=(0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0),

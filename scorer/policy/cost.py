@@ -136,6 +136,12 @@ class CostModelOptions(PolicyOptions):
     # A session idle longer than this (s) no longer counts in session_spread (it has most
     # likely ended); it is still remembered for continuity for 600 s.
     session_live_s: float = Field(600.0, gt=0)
+    # A continuing session leaves its worker when that worker's live weight is over
+    # (1 + this) x the eligible workers' mean and the move lowers the larger of the two
+    # weights; it is then placed like a new session (the worker it leaves only as a last
+    # resort). Trades hit rate and TTFT p99 (its context is prefilled again) for balance
+    # (docs/policy.md, "Session spread"). 0: off.
+    session_rebalance: float = Field(0.0, ge=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -248,6 +254,9 @@ class FleetInputs:
     # Live session weight per eligible candidate (parallel to eligible) when the request
     # opens a new session and session_spread is on; else None.
     sessions: list[float] | None = None
+    # Candidate index the session leaves for balance (session_rebalance; `sessions` is
+    # then set and continuity off); None: no move.
+    left: int | None = None
 
     def ttft_ms(self, queued_tokens: float) -> float:
         """Predicted prefill ms of `queued_tokens` (PrefillModel.estimate's arithmetic)."""
@@ -267,6 +276,7 @@ class CandidateTerms:
     previous_turn: bool = False
     # session_spread's input: the candidate's live session weight (None: not applied).
     live_sessions: float | None = None
+    left_for_balance: bool = False  # the session left this worker (session_rebalance)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (a candidate row's `terms` in /debug/decisions)."""
@@ -277,6 +287,7 @@ class CandidateTerms:
             "chain_age_s": None if self.chain_age_s is None else round(self.chain_age_s, 1),
             "previous_turn": self.previous_turn,
             "live_sessions": None if self.live_sessions is None else round(self.live_sessions, 1),
+            "left_for_balance": self.left_for_balance,
         }
 
 
@@ -355,6 +366,7 @@ class CostTable:
         t = CandidateTerms(predicted_ttft_ms=ttft, previous_turn=i == self.previous)
         if fleet.sessions is not None:
             t.live_sessions = fleet.sessions[k]
+        t.left_for_balance = i == fleet.left
         got = fleet.life.get(i)
         if got is not None:
             t.life_factor, t.block_life_s, t.chain_age_s = got
@@ -491,7 +503,13 @@ def _fleet_terms(
         out.ttft = ttft
     c = opts.continuity
     prev = fleet.previous
-    if prev is not None and c > 0.0:
+    left = fleet.left
+    if left is not None:
+        # The worker the session leaves wins only when it is the one eligible.
+        k = out.position(left)
+        if k is not None and len(costs) > 1:
+            costs[k] += max(costs) + 1.0
+    elif prev is not None and c > 0.0:
         k = out.position(prev)
         if k is not None:
             costs[k] *= 1.0 - c

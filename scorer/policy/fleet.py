@@ -36,7 +36,9 @@ Live sessions per worker. A new session's later turns follow it wherever it land
 continuity term keeps them there) and grow its context there, so placing it also places
 its future load and cache footprint. The map sums, per worker, the sessions whose last
 request went there, each weighing 1 or its context's blocks (`session_weight`); the
-`session_spread` term spreads new sessions by it (docs/policy.md, "Session spread").
+`session_spread` term spreads new sessions by it (docs/policy.md, "Session spread");
+`session_rebalance` moves a continuing session off a worker whose weight runs well over
+the mean.
 """
 
 from __future__ import annotations
@@ -181,6 +183,11 @@ class Sessions:
                 break
             active.popitem(last=False)
             self._count(ep, -w)
+
+    def weight(self, session_id: str) -> float:
+        """`session_id`'s weight while it is live (0: not live)."""
+        got = self._active.get(session_id)
+        return 0.0 if got is None else got[2]
 
     def get(self, session_id: str, now: float) -> str | None:
         """The worker that served `session_id`'s previous request, if recent."""

@@ -68,7 +68,7 @@ _COST = (
     "prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "duplicate_cost",
     "speculative", "unit", "decode_ms_per_block", "block_life", "life_window_s", "life_fade",
     "continuity", "continuity_min_match", "session_spread", "session_weight",
-    "session_live_s",
+    "session_live_s", "session_rebalance",
 )  # fmt: skip
 
 

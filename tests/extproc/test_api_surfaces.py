@@ -109,6 +109,13 @@ async def test_admin_endpoints(harness) -> None:
         async with s.get(base + "/metrics") as r:
             text = await r.text()
             assert 'kv_scorer_extproc_streams_total{outcome="routed"}' in text
+            # Routed streams observed their routing time (a loop-kept histogram).
+            count = next(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("kv_scorer_extproc_route_seconds_count")
+            )
+            assert count >= 1 and 'kv_scorer_extproc_route_seconds_bucket{le="+Inf"}' in text
             assert 'kv_scorer_decisions_total{policy="round_robin",reason="round_robin"}' in text
         await h.app.set_ready(False)
         async with s.get(base + "/readyz") as r:

@@ -634,3 +634,46 @@ async def test_protocol_errors_close_the_connection(bare, case: str) -> None:
         assert _goaway_code(fs) == want
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("read_size", [1, 7, 4096])
+async def test_socket_reads_into_the_reused_buffer_parse_as_the_whole_bytes(read_size: int) -> None:
+    """The socket reads into the connection's own buffer (BufferedProtocol), which the
+    next read overwrites: frames cut across reads of any size give the same answers as
+    the bytes handed over whole."""
+    from test_wire import Recorder
+
+    from scorer.extproc.transport import H2Connection
+
+    block = Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    )  # fmt: skip
+    msgs = b"".join(struct.pack(">BI", 0, len(m)) + m for m in (b"one", b"two" * 300))
+    data = (
+        T.PREFACE
+        + T.frame(T.SETTINGS, 0, 0, b"")
+        + T.frame(T.HEADERS, T.END_HEADERS, 1, block)
+        + T.frame(T.DATA, 0, 1, msgs[:100])
+        + T.frame(T.DATA, T.END_STREAM, 1, msgs[100:])
+    )
+    outs = []
+    for size in (len(data), read_size):
+        server = H2GrpcServer()
+        server.add_handler(PATH, echo)
+        conn = H2Connection(server)
+        t = Recorder()
+        conn.connection_made(t)
+        for i in range(0, len(data), size):
+            piece = data[i : i + size]
+            buf = conn.get_buffer(-1)
+            buf[: len(piece)] = piece
+            conn.buffer_updated(len(piece))
+            buf[: len(piece)] = b"\xff" * len(piece)  # what the next read would do
+        for _ in range(100):  # bounded: the handler echoes, then the stream ends
+            if 1 not in conn.streams and not conn.flush_scheduled:
+                break
+            await asyncio.sleep(0)
+        outs.append(bytes(t.out))
+    assert outs[0] == outs[1]
+    assert b"two" * 300 in outs[0]

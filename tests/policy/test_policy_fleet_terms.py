@@ -216,6 +216,36 @@ def test_session_weight_blocks_records_the_request_blocks() -> None:
     assert s.policy.scorers[0].sessions.live(d.endpoint) == 12.0
 
 
+def test_session_rebalance_moves_a_session_off_an_overloaded_worker() -> None:
+    """W0 hosts three live sessions of 100 blocks, W1 none; "a"'s next turn is cached on W0.
+
+    Off: continuity keeps "a" on W0. With session_rebalance 0.5, W0's 300 is over 1.5 x
+    the mean (150) and moving "a" lowers the peak (200 > 0 + 100): it goes to W1, W0's row
+    says why. With two sessions on W0 (200: 100 > 0 + 100 fails) it stays: moving would
+    only move the peak.
+    """
+    k = keys(10)
+    for n_sessions, rebalance, winner in ((3, 0.0, 0), (3, 0.5, 1), (2, 0.5, 0)):
+        opts = {
+            **BASE,
+            "session_spread": 1.0,
+            "continuity": 0.6,
+            "session_weight": "blocks",
+            "session_rebalance": rebalance,
+        }
+        s = make(2, options=opts)
+        hold(s.index, endpoint(0), k[:9])
+        scorer = s.policy.scorers[0]
+        now = s.policy.clock()
+        for name in ("a", "b", "c")[:n_sessions]:
+            scorer.sessions.put(name, endpoint(0), now, 100.0)
+        d = s.policy.decide(request(k, session_id="a"), list(s.pool))
+        assert d.endpoint == endpoint(winner)
+        left = by_ep(d)[endpoint(0)].as_dict()["terms"]["left_for_balance"]
+        assert left == (winner == 1)
+        assert scorer.sessions.weight("a") == 10.0  # its new weight: this request's blocks
+
+
 def test_session_spread_places_a_new_session_away_from_busy_hosts() -> None:
     """W0 holds the shared system prompt (8 of 10 blocks) and already serves two sessions.
 
@@ -242,6 +272,6 @@ def test_kv_ships_the_fleet_terms_approx_keeps_the_plain_cost() -> None:
     approx = make(2, policy="approx").policy.scorers[0].options
     assert (kv.duplicate_cost, kv.continuity, kv.credit_decay) == (12.0, 0.6, 0.05)
     assert kv.session_spread > 0 and not kv.block_life and kv.unit == "blocks"
-    assert (kv.session_weight, kv.session_live_s) == ("sessions", 600.0)
+    assert (kv.session_weight, kv.session_live_s, kv.session_rebalance) == ("sessions", 600, 0)
     assert (approx.duplicate_cost, approx.continuity, approx.session_spread) == (0, 0, 0)
     assert approx.credit_decay == 0.1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 # max_message complete whatever the windows.
 RECV_WINDOW = 8 * 1024 * 1024
 CONN_RECV_WINDOW = 16 * 1024 * 1024
+READ_BUFFER = 64 * 1024  # bytes per socket read (one buffer per connection, reused)
 OUR_MAX_FRAME = 1024 * 1024  # fewer frames for large bodies (peer default is 16,384)
 # Largest gRPC message accepted (the App sets it above extproc.max_body_bytes).
 MAX_MESSAGE = 80 * 1024 * 1024

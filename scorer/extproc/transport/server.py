@@ -80,13 +80,13 @@ class H2GrpcServer:
         (called per connection, so a reloaded certificate applies to new ones);
         `on_tls_failure(reason)` is told of each failed handshake."""
         loop = asyncio.get_running_loop()
-        factory: Callable[[], asyncio.Protocol]
+        factory: Callable[[], asyncio.BaseProtocol]
         if tls is None:
             factory = lambda: H2Connection(self)  # noqa: E731
         else:
             get_ctx = tls
 
-            def factory() -> asyncio.Protocol:
+            def factory() -> asyncio.BaseProtocol:
                 return TlsTransport(
                     get_ctx(),
                     H2Connection(self),

@@ -6,6 +6,11 @@ asyncio's built-in server TLS drops handshake failures silently (debug log only)
 what arrives into `inner.data_received` and encrypts what `inner` writes. Flow control
 passes through: the socket's pause/resume_writing reach the inner protocol, and
 pause/resume_reading reach the socket.
+
+Both directions of reading go through buffers kept per connection (the socket reads into
+one, `asyncio.BufferedProtocol`; decrypted bytes are read into another): a new bytes
+object per read, of the 256 KiB asked for, costs an mmap, mremap and munmap each
+(see scorer/extproc/transport/connection.py).
 """
 
 from __future__ import annotations
@@ -15,11 +20,25 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
+
+from scorer.extproc.transport.limits import READ_BUFFER
 
 log = logging.getLogger("scorer.extproc.transport")
 
-_READ = 256 * 1024  # plaintext bytes taken from the TLS layer per read call
+
+class Inner(Protocol):
+    """What TlsTransport drives: the HTTP/2 connection's protocol side."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None: ...
+
+    def data_received(self, data: bytes) -> None: ...
+
+    def connection_lost(self, exc: Exception | None) -> None: ...
+
+    def pause_writing(self) -> None: ...
+
+    def resume_writing(self) -> None: ...
 
 
 def handshake_failure_reason(exc: BaseException) -> str:
@@ -30,13 +49,13 @@ def handshake_failure_reason(exc: BaseException) -> str:
     return "protocol"
 
 
-class TlsTransport(asyncio.Protocol, asyncio.Transport):
+class TlsTransport(asyncio.BufferedProtocol, asyncio.Transport):
     """Server-side TLS for one accepted connection, wrapping the inner protocol."""
 
     def __init__(
         self,
         context: ssl.SSLContext,
-        inner: asyncio.Protocol,
+        inner: Inner,
         on_failure: Callable[[str], None],
         handshake_timeout: float,
     ) -> None:
@@ -52,6 +71,9 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
         self._ready = False  # handshake done, inner protocol connected
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
+        self._rbuf = memoryview(bytearray(READ_BUFFER))  # ciphertext from the socket
+        self._pbuf = bytearray(READ_BUFFER)  # plaintext from the TLS layer
+        self._pview = memoryview(self._pbuf)
 
     # ------------------------------------------------------------ socket side
 
@@ -68,7 +90,13 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
             self._on_failure("timeout")
             self._abort_raw()
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._rbuf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._rbuf[:nbytes])  # MemoryBIO.write copies it
+
+    def data_received(self, data: bytes | memoryview) -> None:
         if self._closing and not self._ready:
             return
         self._in.write(data)
@@ -96,7 +124,8 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
         """Hand decrypted bytes to the inner protocol."""
         while not self._closing:
             try:
-                chunk = self._ssl.read(_READ)
+                # With a buffer, read() returns the count (typeshed says bytes).
+                n = cast(int, self._ssl.read(READ_BUFFER, self._pbuf))
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except ssl.SSLZeroReturnError:  # close_notify
@@ -106,9 +135,9 @@ class TlsTransport(asyncio.Protocol, asyncio.Transport):
                 log.info("ext_proc TLS error: %s", e)
                 self._abort_raw()
                 break
-            if not chunk:
+            if not n:
                 break
-            self._inner.data_received(chunk)
+            self._inner.data_received(bytes(self._pview[:n]))
         self._flush()  # renegotiation / key-update records, if any
 
     def eof_received(self) -> bool | None:

@@ -138,12 +138,20 @@ class DynamoCost(Scorer):
         if o.continuity > 0.0:
             previous = self._previous(cycle, matches)
         live: list[float] | None = None
+        left: int | None = None
         ss = self.sessions
         sid = cycle.request.session_id
-        if ss is not None and sid and o.session_spread > 0.0 and ss.get(sid, now) is None:
-            ss.expire(now)
-            eps = cycle.endpoints
-            live = [ss.live(eps[i]) for i in cycle.eligible]
+        if ss is not None and sid and o.session_spread > 0.0:
+            last = ss.get(sid, now)
+            if last is None:
+                ss.expire(now)
+                eps = cycle.endpoints
+                live = [ss.live(eps[i]) for i in cycle.eligible]
+            elif o.session_rebalance > 0.0:
+                left = self._rebalance(cycle, ss, sid, last, now)
+                if left is not None:
+                    eps = cycle.endpoints
+                    live = [ss.live(eps[i]) for i in cycle.eligible]
         return FleetInputs(
             (model.a, model.b, model.min_s, model.max_s),
             1000.0 * model.b * bs,
@@ -151,7 +159,31 @@ class DynamoCost(Scorer):
             life,
             previous,
             live,
+            left,
         )
+
+    def _rebalance(self, cycle: Cycle, ss: Sessions, sid: str, last: str, now: float) -> int | None:
+        """Candidate index of the worker `sid` leaves for balance (session_rebalance), if
+        any: its live weight is over (1 + session_rebalance) x the eligible workers' mean,
+        and moving the session (its own weight) off it lowers the larger of the two
+        workers' weights (a lone large session is never moved: that only moves the peak).
+        """
+        eps = cycle.endpoints
+        eligible = cycle.eligible
+        try:
+            i = eps.index(last)
+        except ValueError:
+            return None
+        if i not in eligible:
+            return None  # it is leaving anyway
+        ss.expire(now)
+        live = [ss.live(eps[j]) for j in eligible]
+        mine = ss.live(last)
+        own = ss.weight(sid)
+        mean = sum(live) / len(live)
+        if mine > (1.0 + self.options.session_rebalance) * mean and mine - own > min(live) + own:
+            return i
+        return None
 
     def _previous(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> int | None:
         """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible."""

@@ -1,0 +1,276 @@
+"""Where the time ext_proc adds goes, as Envoy itself measures it, per request phase.
+
+    .venv/bin/python bench/profile_envoy_phases.py [--requests 400] [--policy kv]
+        [--shape local|istio|envoy-ai-gateway|kgateway] [--max-tokens 16]
+
+One Envoy with two listeners in front of the same two `kv-scorer sim` workers: `main`
+(ext_proc to `kv-scorer serve`, the shape asked for; started by the e2e harness) and
+`direct` (round robin, no ext_proc). A keep-alive client at concurrency 1 alternates
+between them (one request each, in turn), so machine noise hits both alike. Both
+listeners write an access log with Envoy's own stream timestamps (`%COMMON_DURATION%`,
+µs since the first downstream byte) and, on `main`, the ext_proc filter's per-phase gRPC
+call latency (`%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:...)%`; field names from
+Envoy's source/extensions/filters/http/ext_proc/ext_proc.cc, ExtProcLoggingInfo). The
+scorer's own time per message comes from bench/profile_datapath.py (in-process).
+
+Per listener, medians over the requests (µs):
+- `rx_end`: last request byte read (DS_RX_END)
+- `us_tx`: first byte to the worker (US_TX_BEG): on `main` it includes the request-side
+  ext_proc round trip(s)
+- `us_rx`, `us_rx_end`: first / last byte from the worker
+- `ds_tx`: first byte to the client (DS_TX_BEG): on `main` after the response-headers
+  round trip
+- `ds_tx_end`: last byte to the client
+- `client`: the client's own round-trip time
+and on `main` the ext_proc call latencies (request headers, request body calls, response
+headers: each from Envoy sending the message to receiving its answer). Prints a table and
+writes bench/out/envoy_phases.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_extproc import Conn  # noqa: E402
+from bench_overhead import KINDS, TokenizerScorerRun, prompts, request_bytes  # noqa: E402
+
+from kvscorer_tools.bench.e2e import E2ESettings, SimFleet  # noqa: E402
+from kvscorer_tools.bench.e2e import scorer as scorer_mod  # noqa: E402
+from kvscorer_tools.bench.procs import ProcGroup  # noqa: E402
+
+# (name, start, end): Envoy's COMMON_DURATION points (access log format docs).
+POINTS = (
+    ("rx_end", "DS_RX_END"),
+    ("us_tx", "US_TX_BEG"),
+    ("us_rx", "US_RX_BEG"),
+    ("us_rx_end", "US_RX_END"),
+    ("ds_tx", "DS_TX_BEG"),
+    ("ds_tx_end", "DS_TX_END"),
+)
+EXT_PROC_FIELDS = (
+    "request_header_latency_us",
+    "request_body_call_count",
+    "request_body_total_latency_us",
+    "request_body_max_latency_us",
+    "request_trailer_latency_us",
+    "response_header_latency_us",
+    "response_trailer_latency_us",
+)
+
+
+_FILE_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+
+
+def with_access_logs(config_yaml: str, log_dir: Path, direct_backends: list[str]) -> str:
+    """The harness's Envoy config plus a `direct` listener and an access log per listener."""
+    cfg = yaml.safe_load(config_yaml)
+    listeners = cfg["static_resources"]["listeners"]
+    main = listeners[0]
+    direct = json.loads(json.dumps(main))  # a copy without the ext_proc filter
+    direct["name"] = "direct"
+    direct["address"]["socket_address"]["port_value"] = 0
+    dchain = direct["filter_chains"][0]
+    dchain.pop("transport_socket", None)
+    dhcm = dchain["filters"][0]["typed_config"]
+    dhcm["stat_prefix"] = "direct"
+    dhcm["http_filters"] = [f for f in dhcm["http_filters"] if "ext_proc" not in f["name"]]
+    vh = dhcm["route_config"]["virtual_hosts"][0]
+    vh["routes"] = [
+        {"match": {"prefix": "/"}, "route": {"cluster": "bench_direct", "timeout": "0s"}}
+    ]
+    cfg["static_resources"]["clusters"].append(
+        {
+            "name": "bench_direct",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "lb_policy": "ROUND_ROBIN",
+            "load_assignment": {
+                "cluster_name": "bench_direct",
+                "endpoints": [
+                    {
+                        "lb_endpoints": [
+                            {
+                                "endpoint": {
+                                    "address": {
+                                        "socket_address": {
+                                            "address": b.rsplit(":", 1)[0],
+                                            "port_value": int(b.rsplit(":", 1)[1]),
+                                        }
+                                    }
+                                }
+                            }
+                            for b in direct_backends
+                        ]
+                    }
+                ],
+            },
+        }
+    )
+    listeners.append(direct)
+    for lst in listeners:
+        name = lst["name"]
+        fmt: dict[str, str] = {k: f"%COMMON_DURATION(DS_RX_BEG:{p}:us)%" for k, p in POINTS}
+        if name != "direct":
+            fmt |= {
+                f: f"%FILTER_STATE(envoy.filters.http.ext_proc:FIELD:{f})%" for f in EXT_PROC_FIELDS
+            }
+        for chain in lst["filter_chains"]:
+            hcm = chain["filters"][0]["typed_config"]
+            hcm["access_log"] = [
+                {
+                    "name": "envoy.access_loggers.file",
+                    "typed_config": {
+                        "@type": _FILE_LOG,
+                        "path": str(
+                            log_dir / f"access-{'direct' if name == 'direct' else 'main'}.log"
+                        ),
+                        "log_format": {"json_format": fmt},
+                    },
+                }
+            ]
+    return yaml.safe_dump(cfg, sort_keys=False)
+
+
+async def drive(
+    main_port: int, direct_port: int, reqs: list[bytes], n: int
+) -> dict[str, list[float]]:
+    """`n` requests on each listener, alternating, one connection each (concurrency 1)."""
+    cm, cd = await Conn.open(main_port), await Conn.open(direct_port)
+    try:
+        for c in (cm, cd):
+            for _ in range(20):  # warm: connections, pools, the scorer's caches
+                assert await c.post(reqs[0]) == 200
+        lat: dict[str, list[float]] = {"main": [], "direct": []}
+        for i in range(n):
+            req = reqs[i % len(reqs)]
+            for name, c in (("main", cm), ("direct", cd)):
+                t0 = time.perf_counter()
+                status = await c.post(req)
+                if status == 200:
+                    lat[name].append((time.perf_counter() - t0) * 1e6)
+        return lat
+    finally:
+        cm.close()
+        cd.close()
+
+
+def read_log(path: Path, skip: int) -> list[dict[str, Any]]:
+    rows = []
+    for line in path.read_text().splitlines()[skip:]:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    xs = []
+    for r in rows:
+        v = r.get(key)
+        if v in (None, "-", ""):
+            continue
+        try:
+            xs.append(float(v))
+        except (TypeError, ValueError):
+            continue
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=400, help="per listener and prompt kind")
+    ap.add_argument("--policy", default="kv")
+    ap.add_argument("--shape", default="local")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--kinds", default="ids,text")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "envoy_phases.json"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    run_dir = out.parent / "envoy-phases-run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    for f in log_dir.glob("*.log"):
+        f.unlink()
+    group = ProcGroup(run_dir)
+    results: dict[str, Any] = {}
+    try:
+        fleet = SimFleet(
+            group, E2ESettings(workers=2, block_size=16, speed=1e6, capacity_blocks=None)
+        )
+        fleet.start()
+        backends = [s.endpoint for s in fleet.specs]
+        original = scorer_mod.envoy_config
+        scorer_mod.envoy_config = lambda s, fl, port: with_access_logs(  # type: ignore[assignment]
+            original(s, fl, port), log_dir, backends
+        )
+        settings = E2ESettings(
+            workers=2,
+            block_size=16,
+            run_dir=run_dir / "scorer",
+            gateway=None if args.shape == "local" else args.shape,
+            response_body_mode="NONE" if args.shape == "local" else "FULL_DUPLEX_STREAMED",
+        )
+        ids = prompts(64)
+        with TokenizerScorerRun(group, fleet, args.policy, settings) as run:
+            ports = run.envoy.listener_ports
+            main_port = next(p for n, p in ports.items() if n != "direct")
+            for kind in [k for k in args.kinds.split(",") if k in KINDS]:
+                reqs = [request_bytes(p, kind, args.max_tokens) for p in ids]
+                skip = {
+                    n: len((log_dir / f"access-{n}.log").read_text().splitlines())
+                    if (log_dir / f"access-{n}.log").exists()
+                    else 0
+                    for n in ("main", "direct")
+                }
+                lat = asyncio.run(drive(main_port, ports["direct"], reqs, args.requests))
+                time.sleep(1.2)  # the file access log flushes every second
+                cell: dict[str, Any] = {}
+                for n in ("main", "direct"):
+                    rows = read_log(log_dir / f"access-{n}.log", skip[n] + 20)
+                    fields = [k for k, _ in POINTS] + (list(EXT_PROC_FIELDS) if n == "main" else [])
+                    cell[n] = {k: median_of(rows, k) for k in fields}
+                    cell[n]["client"] = round(statistics.median(lat[n]), 1)
+                    cell[n]["requests"] = len(rows)
+                results[kind] = cell
+    finally:
+        group.stop_all()
+    for kind, cell in results.items():
+        print(f"\n{kind} prompts, {args.policy} / {args.shape}, c=1, medians in µs")
+        keys = [k for k, _ in POINTS] + ["client"]
+        print(f"{'':>10}" + "".join(f"{k:>11}" for k in keys))
+        for n in ("direct", "main"):
+            print(f"{n:>10}" + "".join(f"{cell[n].get(k) or 0:>11.0f}" for k in keys))
+        print(
+            "ext_proc calls (main): "
+            + ", ".join(f"{f}={cell['main'].get(f)}" for f in EXT_PROC_FIELDS)
+        )
+    doc = {
+        "benchmark": "envoy_phases",
+        "cores": os.cpu_count(),
+        "load_average": os.getloadavg()[0],
+        "settings": vars(args),
+        "results": results,
+    }
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
