@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +85,7 @@ def _extras(item: object, lora_name: str | None) -> list[Any]:
     return [x for x in seq if x != lora_name]
 
 
-def _engine_keys(hashes: list[Any]) -> list[int]:
+def _engine_keys(hashes: Sequence[Any]) -> list[int]:
     """`engine_key` of every hash; ints (the common case) in one comprehension."""
     if hashes and type(hashes[0]) is int:
         try:
@@ -98,31 +100,34 @@ def _engine_keys(hashes: list[Any]) -> list[int]:
     return out
 
 
-def _engine_keys_native(hashes: list[Any]) -> list[int]:
+def _engine_keys_native(hashes: Sequence[Any]) -> list[int]:
     """`_engine_keys` with the all-int case in one compiled loop (scorer.native)."""
     assert NATIVE is not None
-    out: list[int] | None = NATIVE.engine_keys(hashes)
+    out: list[int] | None = NATIVE.engine_keys(hashes if type(hashes) is list else list(hashes))
     return out if out is not None else _engine_keys(hashes)
 
 
 class _Pending:
-    """BlockStored blocks of one batch not yet handed to the index (one medium)."""
+    """BlockStored blocks of one batch not yet handed to the index (one medium). Packed
+    (array('Q')) on the fused path: the compiled code appends to them and the index reads
+    them without a Python int per engine key."""
 
-    __slots__ = ("ekeys", "endpoint", "index", "keys", "medium", "rank")
+    __slots__ = ("ekeys", "endpoint", "index", "keys", "medium", "packed", "rank")
 
-    def __init__(self, endpoint: str, rank: int | None, index: BlockIndex) -> None:
+    def __init__(self, endpoint: str, rank: int | None, index: BlockIndex, packed: bool) -> None:
         self.endpoint = endpoint
         self.rank = rank
         self.index = index
+        self.packed = packed
         self.medium: str | None = None
-        self.ekeys: list[int] = []
-        self.keys: list[int] = []
+        self.ekeys: list[int] | array[int] = array("Q") if packed else []
+        self.keys: list[int] | array[int] = array("Q") if packed else []
 
     def flush(self) -> None:
         if self.keys:
             self.index.add(self.endpoint, self.rank, self.ekeys, self.keys, self.medium or "GPU")
-            self.ekeys = []
-            self.keys = []
+            self.ekeys = array("Q") if self.packed else []
+            self.keys = array("Q") if self.packed else []
 
 
 class Applier:
@@ -137,6 +142,12 @@ class Applier:
             raise RuntimeError("the compiled scorer.native module is not available")
         use = NATIVE is not None and native is not False
         self._ekeys = _engine_keys_native if use else _engine_keys
+        # The fused BlockStored path: packed hashes and tokens (the compiled decoder's)
+        # chained and masked in one C loop into packed pending keys (scorer.native
+        # `stored_chain`); the index inserts them in C when its maps are compiled too.
+        fused = use and hasher.native and index.native
+        self._fused = NATIVE.stored_chain if fused and NATIVE is not None else None
+        self._run = NATIVE.stored_events if fused and NATIVE is not None else None
         self.stats: dict[str, ApplyStats] = {}
 
     def _st(self, endpoint: str) -> ApplyStats:
@@ -156,13 +167,34 @@ class Applier:
         # Consecutive BlockStored events of one medium go to the index in ONE add (decode
         # steps send one 1-block event per request): `pend` holds them until a different
         # event, medium or an unknown parent (maybe pending) needs the index up to date.
-        pend = _Pending(endpoint, r, self.index)
+        pend = _Pending(endpoint, r, self.index, self._fused is not None)
         stored = self._stored
-        for ev in batch.events:
+        events = batch.events
+        run = self._run
+        slots = self.index._slots
+        bs = self.hasher.block_size
+        i = 0
+        while i < len(events):
+            ev = events[i]
+            i += 1
             if type(ev) is BlockStored:
                 if ev.medium != pend.medium:
                     pend.flush()
                     pend.medium = ev.medium
+                if run is not None:
+                    # The compiled loop takes the run of plain events from here on; it
+                    # stops at the first one the reference code below must handle.
+                    s = slots.get((endpoint, r or 0))
+                    j, nb = run(
+                        events, i - 1, BlockStored, ev.medium, bs,
+                        None if s is None else s.emap, pend.keys, pend.ekeys,
+                    )  # fmt: skip
+                    if j >= i:
+                        ok_events += j - i + 1
+                        ok_blocks += nb
+                        st.last_block_size = bs
+                        i = j
+                        continue
                 n = stored(endpoint, r, ev, st, pend)
                 if n:
                     ok_events += 1
@@ -226,13 +258,23 @@ class Applier:
             if parent is None:
                 # A chain we cannot place (its parent was never seen or already evicted).
                 return self._fail(st, "unknown_parent")
+        plain = (
+            ev.extra_keys is None
+            and ev.lora_name is None
+            and ev.lora_id is None
+            and ev.cache_salt is None
+        )
+        fused = self._fused
+        if (
+            plain
+            and fused is not None
+            and type(tokens) is array
+            and type(hashes) is array
+            and fused(tokens, hashes, n, bs, 0 if parent is None else parent, pend.keys, pend.ekeys)
+        ):
+            return n
         try:
-            if (
-                ev.extra_keys is None
-                and ev.lora_name is None
-                and ev.lora_id is None
-                and ev.cache_salt is None
-            ):
+            if plain:
                 # The common case: the base chain, one C pass over the tokens.
                 keys = hasher.keys(tokens if n * bs == len(tokens) else tokens[: n * bs], 0, parent)
             else:
@@ -243,8 +285,8 @@ class Applier:
             ekeys = self._ekeys(hashes if n == len(hashes) else hashes[:n])
         except (TypeError, ValueError):
             return self._fail(st, "bad_tokens")
-        pend.ekeys += ekeys
-        pend.keys += keys
+        pend.ekeys.extend(ekeys)
+        pend.keys.extend(keys)
         return n
 
     def _keys(self, ev: BlockStored, n: int, parent: int | None) -> list[int]:

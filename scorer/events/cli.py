@@ -66,7 +66,7 @@ def event_record(msg: Message, ev: Event) -> dict[str, Any]:
     rec.update(seq=msg.seq, topic=msg.topic, dp_rank=msg.batch.dp_rank, type=type(ev).__name__)
     if isinstance(ev, BlockStored):
         rec.update(
-            block_hashes=_json_safe(ev.block_hashes),
+            block_hashes=_json_safe(list(ev.block_hashes)),  # list or array('Q')
             parent_block_hash=_json_safe(ev.parent_block_hash),
             token_ids=list(ev.token_ids),
             block_size=ev.block_size,

@@ -82,7 +82,8 @@ def normalize_medium(raw: object) -> str:
 
 @dataclass(slots=True)
 class BlockStored:
-    block_hashes: list[Hash]
+    # A list, or an array('Q') from the compiled decoder (scorer.native): equal hashes.
+    block_hashes: Sequence[Hash]
     parent_block_hash: Hash | None
     # A list, or an array('I') from the compiled decoder (scorer.native): equal ids.
     token_ids: Sequence[int]
@@ -217,11 +218,12 @@ def _typed_batch(
     m_stored: type[_MStored],
     a_stored: type[_AStored],
     tokens: Callable[[Any], Any] | None,
+    hashes: Callable[[Any], Any] | None = None,
 ) -> EventBatch | None:
     """The typed decode loop both fast paths share: `decoders` (map era, array era: the
-    one that worked last goes first), the BlockStored struct of each era, and `tokens`
-    turning a struct's token_ids into the event's (None: kept as decoded; a None result
-    sends the payload to the generic path)."""
+    one that worked last goes first), the BlockStored struct of each era, and `tokens` /
+    `hashes` turning a struct's token_ids / block_hashes into the event's (None: kept as
+    decoded; a None result makes the whole decode return None)."""
     for i, dec in enumerate(decoders):
         try:
             raw = dec.decode(payload)
@@ -240,10 +242,15 @@ def _typed_batch(
                     toks = tokens(toks)
                     if toks is None:
                         return None
+                hs = e.block_hashes
+                if hashes is not None:
+                    hs = hashes(hs)
+                    if hs is None:
+                        return None
                 mraw = e.medium
                 append(
                     BlockStored(
-                        e.block_hashes,
+                        hs,
                         e.parent_block_hash,
                         toks,
                         e.block_size,
@@ -268,15 +275,18 @@ def _typed_batch(
 
 
 # ---- compiled fast path (scorer.native) ---------------------------------------------------
-# The same typed decode, except that token_ids stays msgpack bytes (msgspec.Raw, no copy) and
-# the compiled `msgpack_uint32s` turns it into an array('I') without making one Python int
-# per token. Any token list it does not take (an id outside uint32, a non-int) sends the
-# payload to the generic path, which gives the reference meaning (event error / bad_tokens).
+# The same typed decode, except that a BlockStored's token_ids and block_hashes stay msgpack
+# bytes (msgspec.Raw, no copy) and the compiled `msgpack_uint32s` / `msgpack_uint64s` turn
+# them into array('I') / array('Q') without making one Python int per token or block (apply's
+# fused path hashes and indexes straight from them). Any list they do not take (an id outside
+# uint32, a negative or bytes hash, a non-int) sends the payload to the typed list path, then
+# the generic one, which give the reference meaning (event error / bad_tokens).
 # gc=False: these short-lived structs hold no cycles (lists of ints/bytes, Raw views), so the
 # collector need not track them (fewer collections while a large index is built).
 
 
 class _AStoredRaw(_AStored, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: msgspec.Raw  # type: ignore[assignment]
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
@@ -287,6 +297,7 @@ class _ABatchRaw(msgspec.Struct, array_like=True, gc=False):
 
 
 class _MStoredRaw(_MStored, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: msgspec.Raw  # type: ignore[assignment]
     token_ids: msgspec.Raw  # type: ignore[assignment]
 
 
@@ -303,10 +314,18 @@ _typed_raw: list[msgspec.msgpack.Decoder[Any]] = [
 
 
 def _fast_payload_native(payload: bytes) -> EventBatch | None:
-    """`_fast_payload` with token ids unpacked by the compiled code, or None (the generic
-    path runs). Requires `scorer.native`."""
+    """`_fast_payload` with token ids and block hashes unpacked by the compiled code into
+    packed arrays (array('I') / array('Q'): apply's fused path takes them without one
+    Python int per block), or None. Requires `scorer.native`."""
     assert NATIVE is not None
-    return _typed_batch(payload, _typed_raw, _MStoredRaw, _AStoredRaw, NATIVE.msgpack_uint32s)
+    return _typed_batch(
+        payload,
+        _typed_raw,
+        _MStoredRaw,
+        _AStoredRaw,
+        NATIVE.msgpack_uint32s,
+        NATIVE.msgpack_uint64s,
+    )
 
 
 def _hash(v: object, what: str) -> Hash:
@@ -447,9 +466,16 @@ def decode_payload(payload: bytes, native: bool | None = None) -> EventBatch:
 
     `native`: decode token ids with the compiled code (None: when `scorer.native` is
     available; False: the pure-Python reference). Same events either way."""
+    fast = None
     if NATIVE is not None and native is not False:
+        # One C pass for the common shapes, then the typed msgspec paths for the rest.
+        got = NATIVE.decode_batch(
+            payload, BlockStored, BlockRemoved, AllBlocksCleared, normalize_medium
+        )
+        if got is not None:
+            return EventBatch(got[0], got[1], got[2])
         fast = _fast_payload_native(payload)
-    else:
+    if fast is None:  # (compiled: hashes that are not all uint64, e.g. vLLM < 0.10.2's)
         fast = _fast_payload(payload)
     return fast if fast is not None else decode_payload_generic(payload)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from operator import or_
 from typing import Any
@@ -114,16 +115,26 @@ class BlockIndex:
             d, medium = self._gpu, "GPU"
         bit = self._bit_obj[s.bit]
         emap = s.emap
-        emap.update_pairs(ekeys, keys)
-        # One C-level pass inserts the absent keys with the slot's shared bit object (a
-        # single-holder mask costs no memory of its own) and returns every key's mask.
-        before = len(d)
-        masks = list(map(d.setdefault, keys, itertools.repeat(bit)))
-        new = len(d) - before
-        if masks.count(bit) != len(masks):
+        held: Iterable[tuple[int, int]]
+        if type(keys) is array and self.native:
+            # Packed keys (apply's fused path): the engine map and the dict insert in one
+            # compiled loop; returns the (key, mask) pairs already held under another mask.
+            assert NATIVE is not None
+            added: int
+            added, held = NATIVE.index_add(d, emap, ekeys, keys, bit)
+            new = added
+        else:
+            emap.update_pairs(ekeys, keys)
+            # One C-level pass inserts the absent keys with the slot's shared bit object (a
+            # single-holder mask costs no memory of its own) and returns every key's mask.
+            before = len(d)
+            masks = list(map(d.setdefault, keys, itertools.repeat(bit)))
+            new = len(d) - before
+            held = () if masks.count(bit) == len(masks) else zip(keys, masks, strict=True)
+        if held:
             # Some blocks are held by other workers too: add our bit to those masks.
             canon = self._masks
-            for k, m in zip(keys, masks, strict=True):
+            for k, m in held:
                 if not m & bit:
                     m |= bit
                     # Equal masks share one int object (memory: one per block otherwise).

@@ -1,5 +1,6 @@
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 def chain_keys(tokens: Sequence[int], block_size: int, seed: int) -> list[int]: ...
 def chain_keys_bytes(data: bytes | bytearray | memoryview, stride: int, seed: int) -> list[int]: ...
@@ -20,3 +21,34 @@ class EngineMap:
     def keys(self) -> list[int]: ...
     def values(self) -> list[int]: ...
     def nbytes(self) -> int: ...
+
+def msgpack_uint64s(raw: object) -> array[int] | None: ...
+def stored_chain(
+    tokens: array[int],
+    hashes: array[int],
+    n: int,
+    block_size: int,
+    seed: int,
+    keys_out: array[int],
+    ekeys_out: array[int],
+) -> bool: ...
+def index_add(
+    d: dict[int, int], emap: EngineMap, ekeys: array[int], keys: array[int], bit: int
+) -> tuple[int, list[tuple[int, int]]]: ...
+def decode_batch(
+    payload: bytes,
+    stored_cls: type[Any],
+    removed_cls: type[Any],
+    cleared_cls: type[Any],
+    normalize: Callable[[object], str],
+) -> tuple[float, list[Any], int | None] | None: ...
+def stored_events(
+    events: list[Any],
+    i: int,
+    stored_cls: type[Any],
+    medium: str,
+    block_size: int,
+    emap: object,
+    keys_out: array[int],
+    ekeys_out: array[int],
+) -> tuple[int, int]: ...

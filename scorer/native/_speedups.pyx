@@ -17,10 +17,13 @@ Every function raises the same exception classes as the pure code on bad input
 
 from cpython.array cimport array, clone
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check
+from cpython.array cimport resize_smart
+from cpython.dict cimport PyDict_Size
+from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_FromUnsignedLongLong
+from cpython.object cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memset
+from libc.string cimport memcmp, memcpy, memset
 
 cdef extern from *:
     """
@@ -31,6 +34,22 @@ cdef extern from *:
     #else
     #define KV_BIG_ENDIAN 0
     #endif
+    static inline uint64_t kv_be32(const uint8_t* p) {
+        uint32_t x; memcpy(&x, p, 4);
+    #if KV_BIG_ENDIAN
+        return x;
+    #else
+        return __builtin_bswap32(x);
+    #endif
+    }
+    static inline uint64_t kv_be64(const uint8_t* p) {
+        uint64_t x; memcpy(&x, p, 8);
+    #if KV_BIG_ENDIAN
+        return x;
+    #else
+        return __builtin_bswap64(x);
+    #endif
+    }
     static inline uint32_t kv_le32(uint32_t x) {
     #if KV_BIG_ENDIAN
         return __builtin_bswap32(x);
@@ -77,11 +96,15 @@ cdef extern from *:
     int kv_fill_u32(list lst, Py_ssize_t total, uint32_t* buf) except -1
     uint64_t XXH3_64bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
     uint32_t kv_le32(uint32_t x) nogil
+    uint64_t kv_be32(const uint8_t* p) nogil
+    uint64_t kv_be64(const uint8_t* p) nogil
     int KV_BIG_ENDIAN
 
 cdef array _U32 = array("I")
+cdef array _U64 = array("Q")
 cdef uint64_t MASK60 = (1ULL << 60) - 1
 cdef uint64_t U32MAX = 0xFFFFFFFFULL  # a typed constant: a bare literal this big is a Python int
+cdef uint64_t U64MAX = 0xFFFFFFFFFFFFFFFFULL
 
 
 cdef list _chain(const uint8_t* data, Py_ssize_t n, Py_ssize_t stride, uint64_t prev):
@@ -143,74 +166,114 @@ cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
     return v
 
 
-def msgpack_uint32s(raw):
-    """A msgpack array whose items are all ints in [0, 2**32) → array('I'); None for any
-    other value (the caller then decodes the payload on its generic path)."""
-    cdef Py_buffer view
-    cdef const uint8_t* p
-    cdef const uint8_t* end
+cdef object _uints_at(const uint8_t** pp, const uint8_t* end, array template, uint64_t vmax):
+    """The msgpack array at *pp whose items are all ints in [0, vmax] → an array like
+    `template` ('I' or 'Q'), *pp moved past it; None for any other value."""
+    cdef const uint8_t* p = pp[0]
     cdef Py_ssize_t n, i
     cdef uint8_t b
     cdef uint64_t v
     cdef int k
     cdef array out
-    cdef uint32_t* dst
+    cdef bint wide = template.ob_descr.itemsize == 8
+    cdef uint32_t* dst32 = NULL
+    cdef unsigned long long* dst64 = NULL
+    if end - p < 1:
+        return None
+    b = p[0]
+    if 0x90 <= b <= 0x9F:
+        n = b & 0x0F
+        p += 1
+    elif b == 0xDC and end - p >= 3:
+        n = <Py_ssize_t>_be(p + 1, 2)
+        p += 3
+    elif b == 0xDD and end - p >= 5:
+        n = <Py_ssize_t>_be(p + 1, 4)
+        p += 5
+    else:
+        return None
+    if n > end - p:  # every item takes at least one byte
+        return None
+    out = clone(template, n, False)
+    if wide:
+        dst64 = out.data.as_ulonglongs
+    else:
+        dst32 = out.data.as_uints
+    for i in range(n):
+        if p >= end:
+            return None
+        b = p[0]
+        # The encodings senders use for token ids and hashes, one branch each
+        # (big-endian loads; `end - p` checked before every read).
+        if b <= 0x7F:
+            v = b
+            p += 1
+        elif b == 0xCE:
+            if end - p < 5:
+                return None
+            v = kv_be32(p + 1)
+            p += 5
+        elif b == 0xCD:
+            if end - p < 3:
+                return None
+            v = (<uint64_t>p[1] << 8) | p[2]
+            p += 3
+        elif b == 0xCF:
+            if end - p < 9:
+                return None
+            v = kv_be64(p + 1)
+            p += 9
+        elif b == 0xCC:
+            if end - p < 2:
+                return None
+            v = p[1]
+            p += 2
+        elif 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
+            k = 1 << (b - 0xD0)
+            if end - p < 1 + k:
+                return None
+            v = _be(p + 1, k)
+            if (v >> (8 * k - 1)) & 1:
+                return None
+            p += 1 + k
+        else:
+            return None
+        if v > vmax:
+            return None
+        if wide:
+            dst64[i] = v
+        else:
+            dst32[i] = <uint32_t>v
+    pp[0] = p
+    return out
+
+
+cdef object _msgpack_uints(raw, array template, uint64_t vmax):
+    """A msgpack array (all of `raw`) of ints in [0, vmax] → packed array, else None."""
+    cdef Py_buffer view
+    cdef const uint8_t* p
+    cdef const uint8_t* end
     PyObject_GetBuffer(raw, &view, PyBUF_SIMPLE)
     try:
         p = <const uint8_t*>view.buf
         end = p + view.len
-        if view.len < 1:
-            return None
-        b = p[0]
-        if 0x90 <= b <= 0x9F:
-            n = b & 0x0F
-            p += 1
-        elif b == 0xDC and view.len >= 3:
-            n = <Py_ssize_t>_be(p + 1, 2)
-            p += 3
-        elif b == 0xDD and view.len >= 5:
-            n = <Py_ssize_t>_be(p + 1, 4)
-            p += 5
-        else:
-            return None
-        if n > end - p:  # every item takes at least one byte
-            return None
-        out = clone(_U32, n, False)
-        dst = out.data.as_uints
-        for i in range(n):
-            if p >= end:
-                return None
-            b = p[0]
-            if b <= 0x7F:
-                dst[i] = b
-                p += 1
-                continue
-            if 0xCC <= b <= 0xCF:  # uint8/16/32/64
-                k = 1 << (b - 0xCC)
-                if end - p < 1 + k:
-                    return None
-                v = _be(p + 1, k)
-                if v > U32MAX:
-                    return None
-                dst[i] = <uint32_t>v
-                p += 1 + k
-                continue
-            if 0xD0 <= b <= 0xD3:  # int8/16/32/64: only non-negative values fit
-                k = 1 << (b - 0xD0)
-                if end - p < 1 + k:
-                    return None
-                v = _be(p + 1, k)
-                if (v >> (8 * k - 1)) & 1 or v > U32MAX:
-                    return None
-                dst[i] = <uint32_t>v
-                p += 1 + k
-                continue
-            return None
-        if p != end:
-            return None
-        return out
+        out = _uints_at(&p, end, template, vmax)
+        return out if out is not None and p == end else None
     finally:
         PyBuffer_Release(&view)
+
+
+def msgpack_uint32s(raw):
+    """A msgpack array whose items are all ints in [0, 2**32) → array('I'); None for any
+    other value (the caller then decodes the payload on its generic path)."""
+    return _msgpack_uints(raw, _U32, U32MAX)
+
+
+def msgpack_uint64s(raw):
+    """A msgpack array whose items are all ints in [0, 2**64) → array('Q') (block hashes
+    of vLLM >= 0.10.2); None for any other value (negative int64 or bytes hashes: the
+    caller decodes them as a list)."""
+    return _msgpack_uints(raw, _U64, U64MAX)
 
 
 def engine_keys(list hashes):
@@ -456,3 +519,486 @@ cdef class EngineMap:
     def nbytes(self):
         """Bytes allocated (entries + index)."""
         return self.cap * 16 + ((1 << self.bits) * 4 if self.bits else 0)
+
+
+# ---- fused BlockStored → index (packed arrays, no Python int per block until the dict) -----
+
+cdef extern from "Python.h":
+    PyObject* PyDict_SetDefault(object d, object key, object default) except NULL
+
+
+def stored_chain(array tokens, array hashes, Py_ssize_t n, Py_ssize_t block_size,
+                 uint64_t seed, array keys_out, array ekeys_out):
+    """Append the keys of the first `n` blocks of `tokens` (array('I'), chained xxh3 from
+    `seed`, as `chain_keys`) to `keys_out` and the engine keys (h & MASK60) of the first `n`
+    `hashes` (array('Q')) to `ekeys_out` (both array('Q')). One C loop per event: the
+    fused BlockStored path of apply (scorer/events/apply.py). False when the inputs are not
+    those (the caller takes the reference path), True when appended."""
+    cdef Py_ssize_t i, k0, e0
+    cdef const uint8_t* data
+    cdef uint64_t prev = seed
+    cdef unsigned long long* ko
+    cdef unsigned long long* eo
+    cdef const unsigned long long* hs
+    if (KV_BIG_ENDIAN or block_size < 1 or n < 0
+            or tokens.ob_descr.typecode != b"I" or hashes.ob_descr.typecode != b"Q"
+            or keys_out.ob_descr.typecode != b"Q" or ekeys_out.ob_descr.typecode != b"Q"
+            or len(tokens) // block_size < n or len(hashes) < n):
+        return False
+    k0 = len(keys_out)
+    e0 = len(ekeys_out)
+    resize_smart(keys_out, k0 + n)
+    resize_smart(ekeys_out, e0 + n)
+    ko = keys_out.data.as_ulonglongs + k0
+    eo = ekeys_out.data.as_ulonglongs + e0
+    hs = hashes.data.as_ulonglongs
+    data = <const uint8_t*>tokens.data.as_uints
+    for i in range(n):
+        prev = XXH3_64bits_withSeed(data + i * block_size * 4, <size_t>(block_size * 4), prev)
+        ko[i] = prev
+        eo[i] = hs[i] & MASK60
+    return True
+
+
+def index_add(dict d, EngineMap emap, array ekeys, array keys, object bit):
+    """`BlockIndex.add`'s insert for packed keys (array('Q') each): every (engine key, key)
+    pair into `emap` (insertion order as update_pairs), then every key absent from `d`
+    (a medium dict) inserted with `bit` (the slot's shared bit object). Returns (new keys,
+    [(key, mask)] of the keys already held under another mask object), for the caller to
+    add its bit to those masks as the reference code does."""
+    cdef Py_ssize_t i, n = min(len(ekeys), len(keys))
+    cdef Py_ssize_t before
+    cdef const unsigned long long* ek
+    cdef const unsigned long long* kk
+    cdef object ko
+    cdef PyObject* m
+    cdef list shared = []
+    if ekeys.ob_descr.typecode != b"Q" or keys.ob_descr.typecode != b"Q":
+        raise TypeError("index_add takes array('Q') keys")
+    ek = ekeys.data.as_ulonglongs
+    for i in range(n):
+        if ek[i] == _DEAD:
+            raise OverflowError("engine key out of range")
+        emap._put(ek[i], keys.data.as_ulonglongs[i])
+    kk = keys.data.as_ulonglongs
+    n = len(keys)
+    before = PyDict_Size(d)
+    for i in range(n):
+        ko = PyLong_FromUnsignedLongLong(kk[i])
+        m = PyDict_SetDefault(d, ko, bit)
+        if m != <PyObject*>bit:
+            shared.append((ko, <object>m))
+    return PyDict_Size(d) - before, shared
+
+
+# ---- fused batch decode: one pass over a well-formed payload ------------------------------
+# The common shapes of a vLLM/SGLang batch (vLLM 0.9-0.23 positional events, 0.24+ tagged
+# maps; uint64 hashes, uint32 token ids, no LoRA / extra keys / salt) parsed in one C pass
+# into the event dataclasses, with hashes and ids packed (array('Q') / array('I')). Anything
+# else (another field, a type it does not take, trailing bytes, a lying header) returns None
+# and the caller takes the msgspec paths, which give the reference meaning.
+
+cdef struct _Cur:
+    const uint8_t* p
+    const uint8_t* end
+
+
+cdef inline int _arr_len(_Cur* c, Py_ssize_t* n) noexcept:
+    """An array header → 1 and its length, else 0."""
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0x90 <= b <= 0x9F:
+        n[0] = b & 0x0F
+        c.p += 1
+    elif b == 0xDC and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    elif b == 0xDD and c.end - c.p >= 5:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 4)
+        c.p += 5
+    else:
+        return 0
+    return n[0] <= c.end - c.p  # every item takes at least one byte
+
+
+cdef inline int _map_len(_Cur* c, Py_ssize_t* n) noexcept:
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0x80 <= b <= 0x8F:
+        n[0] = b & 0x0F
+        c.p += 1
+    elif b == 0xDE and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    else:
+        return 0
+    return 2 * n[0] <= c.end - c.p
+
+
+cdef inline int _str(_Cur* c, const uint8_t** s, Py_ssize_t* n) noexcept:
+    """A str → 1 with its bytes, else 0."""
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0xA0 <= b <= 0xBF:
+        n[0] = b & 0x1F
+        c.p += 1
+    elif b == 0xD9 and c.end - c.p >= 2:
+        n[0] = c.p[1]
+        c.p += 2
+    elif b == 0xDA and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    else:
+        return 0
+    if n[0] > c.end - c.p:
+        return 0
+    s[0] = c.p
+    c.p += n[0]
+    return 1
+
+
+cdef inline int _nil(_Cur* c) noexcept:
+    if c.p < c.end and c.p[0] == 0xC0:
+        c.p += 1
+        return 1
+    return 0
+
+
+cdef inline int _uint(_Cur* c, uint64_t* v) noexcept:
+    """A non-negative int → 1, else 0."""
+    cdef uint8_t b
+    cdef int k
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if b <= 0x7F:
+        v[0] = b
+        c.p += 1
+        return 1
+    if 0xCC <= b <= 0xCF:
+        k = 1 << (b - 0xCC)
+        if c.end - c.p < 1 + k:
+            return 0
+        v[0] = _be(c.p + 1, k)
+        c.p += 1 + k
+        return 1
+    if 0xD0 <= b <= 0xD3:
+        k = 1 << (b - 0xD0)
+        if c.end - c.p < 1 + k:
+            return 0
+        v[0] = _be(c.p + 1, k)
+        if (v[0] >> (8 * k - 1)) & 1:
+            return 0
+        c.p += 1 + k
+        return 1
+    return 0
+
+
+cdef inline object _packed(_Cur* c, array template, uint64_t vmax):
+    """An array of ints in [0, vmax] → packed array, else None."""
+    return _uints_at(&c.p, c.end, template, vmax)
+
+
+cdef object _opt_medium(_Cur* c):
+    """nil → None, a UTF-8 str → str, else False (not taken)."""
+    cdef const uint8_t* s
+    cdef Py_ssize_t n
+    if _nil(c):
+        return None
+    if not _str(c, &s, &n):
+        return False
+    try:
+        return (<char*>s)[:n].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+
+
+cdef enum:
+    # BlockStored fields by position (vLLM 0.9-0.23 array events); map keys map onto them.
+    F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
+    F_SALT, F_N
+
+cdef inline bint _is(const uint8_t* s, Py_ssize_t n, const char* name, Py_ssize_t m) noexcept:
+    return n == m and memcmp(s, name, m) == 0
+
+
+cdef inline int _key_id(const uint8_t* s, Py_ssize_t n) noexcept:
+    """A BlockStored map key → its field (F_*), or -1 (no bytes object per key)."""
+    if _is(s, n, "block_hashes", 12):
+        return F_HASHES
+    if _is(s, n, "token_ids", 9):
+        return F_TOKENS
+    if _is(s, n, "parent_block_hash", 17):
+        return F_PARENT
+    if _is(s, n, "block_size", 10):
+        return F_BS
+    if _is(s, n, "medium", 6):
+        return F_MEDIUM
+    if _is(s, n, "lora_id", 7):
+        return F_LORA_ID
+    if _is(s, n, "lora_name", 9):
+        return F_LORA_NAME
+    if _is(s, n, "extra_keys", 10):
+        return F_EXTRA
+    if _is(s, n, "group_idx", 9):
+        return F_GROUP
+    if _is(s, n, "cache_salt", 10):
+        return F_SALT
+    return -1
+
+
+cdef int _field(_Cur* c, int f, list out) except -1:
+    """Read field `f` of an event into out[f] → 1, or 0 when not taken."""
+    cdef uint64_t v
+    cdef object o
+    if f == F_HASHES:
+        o = _packed(c, _U64, U64MAX)
+    elif f == F_TOKENS:
+        o = _packed(c, _U32, U32MAX)
+    elif f == F_PARENT:
+        if _nil(c):
+            out[f] = None
+            return 1
+        if not _uint(c, &v):
+            return 0
+        o = v
+    elif f == F_BS:
+        if not _uint(c, &v) or v < 1:
+            return 0
+        o = v
+    elif f == F_GROUP:
+        if _nil(c):
+            out[f] = None
+            return 1
+        if not _uint(c, &v):
+            return 0
+        o = v
+    elif f == F_MEDIUM:
+        o = _opt_medium(c)
+        if o is False:
+            return 0
+        out[f] = o
+        return 1
+    else:  # lora_id, lora_name, extra_keys, cache_salt: only absent / nil here
+        if not _nil(c):
+            return 0
+        out[f] = None
+        return 1
+    if o is None:
+        return 0
+    out[f] = o
+    return 1
+
+
+def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
+    """A payload of the common shapes → (ts, [events], data_parallel_rank), else None.
+
+    Events are built with `stored_cls` / `removed_cls` / `cleared_cls` (the decode module's
+    dataclasses) and media spelled by `normalize` (its `normalize_medium`)."""
+    cdef Py_buffer view
+    cdef _Cur c
+    cdef Py_ssize_t n, ne, i, j, nf, ks
+    cdef uint64_t v
+    cdef const uint8_t* s
+    cdef double ts
+    cdef object rank = None
+    cdef list events = []
+    cdef list f
+    cdef int fi, seen
+    cdef bint is_map
+    cdef object mraw
+    PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+    try:
+        c.p = <const uint8_t*>view.buf
+        c.end = c.p + view.len
+        if not _arr_len(&c, &n) or n < 2 or n > 3:
+            return None
+        if c.p >= c.end:
+            return None
+        if c.p[0] == 0xCB and c.end - c.p >= 9:
+            v = kv_be64(c.p + 1)
+            memcpy(&ts, &v, 8)
+            c.p += 9
+        elif _uint(&c, &v):
+            ts = <double>v
+        else:
+            return None
+        if not _arr_len(&c, &ne):
+            return None
+        for i in range(ne):
+            if c.p >= c.end:
+                return None
+            f = [None] * F_N
+            is_map = 0x80 <= c.p[0] <= 0x8F or c.p[0] == 0xDE
+            if is_map:
+                if not _map_len(&c, &nf) or nf < 1:
+                    return None
+                # vLLM writes "type" first (msgspec tag_field); another order is not taken.
+                if not _str(&c, &s, &ks) or not _is(s, ks, "type", 4):
+                    return None
+                if not _str(&c, &s, &ks):
+                    return None
+                nf -= 1
+            else:
+                if not _arr_len(&c, &nf) or nf < 1:
+                    return None
+                if not _str(&c, &s, &ks):
+                    return None
+                nf -= 1
+            if _is(s, ks, "BlockStored", 11):
+                seen = 0
+                if is_map:
+                    for j in range(nf):
+                        if not _str(&c, &s, &ks):
+                            return None
+                        fi = _key_id(s, ks)
+                        if fi < 0:
+                            return None
+                        if seen & (1 << fi) or not _field(&c, fi, f):
+                            return None
+                        seen |= 1 << fi
+                    if seen & 0b1101 != 0b1101:  # hashes, tokens, block_size required
+                        return None
+                else:
+                    if nf < 4 or nf > F_SALT:  # 4..9 positional fields (no salt)
+                        return None
+                    for j in range(nf):
+                        if not _field(&c, j, f):
+                            return None
+                mraw = f[F_MEDIUM]
+                events.append(stored_cls(
+                    f[F_HASHES], f[F_PARENT], f[F_TOKENS], f[F_BS], None,
+                    "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
+                    None, None, f[F_GROUP], None))
+            elif _is(s, ks, "BlockRemoved", 12):
+                seen = 0
+                if is_map:
+                    for j in range(nf):
+                        if not _str(&c, &s, &ks):
+                            return None
+                        fi = _key_id(s, ks)
+                        if fi != F_HASHES and fi != F_MEDIUM and fi != F_GROUP:
+                            return None
+                        if seen & (1 << fi) or not _field(&c, fi, f):
+                            return None
+                        seen |= 1 << fi
+                    if not seen & 1:
+                        return None
+                else:
+                    if nf < 1 or nf > 3:
+                        return None
+                    for j in range(nf):
+                        if not _field(&c, (F_HASHES, F_MEDIUM, F_GROUP)[j], f):
+                            return None
+                mraw = f[F_MEDIUM]
+                events.append(removed_cls(
+                    f[F_HASHES].tolist(),
+                    "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
+                    f[F_GROUP]))
+            elif _is(s, ks, "AllBlocksCleared", 16):
+                if nf > 1:
+                    return None
+                if nf == 1:
+                    if is_map:
+                        if not _str(&c, &s, &ks) or not _is(s, ks, "medium", 6):
+                            return None
+                    if not _field(&c, F_MEDIUM, f):
+                        return None
+                mraw = f[F_MEDIUM]
+                events.append(cleared_cls(None if mraw is None else normalize(mraw)))
+            else:
+                return None
+        if n == 3:
+            if _nil(&c):
+                rank = None
+            elif _uint(&c, &v) and v <= 0x7FFFFFFF:
+                rank = v
+            else:
+                return None
+        if c.p != c.end:
+            return None
+        return ts, events, rank
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef inline void _chain_into(const uint8_t* data, const unsigned long long* hs, Py_ssize_t n,
+                             Py_ssize_t stride, uint64_t prev, unsigned long long* ko,
+                             unsigned long long* eo) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        prev = XXH3_64bits_withSeed(data + i * stride, <size_t>stride, prev)
+        ko[i] = prev
+        eo[i] = hs[i] & MASK60
+
+
+def stored_events(list events, Py_ssize_t i, object stored_cls, object medium,
+                  Py_ssize_t block_size, object emap, array keys_out, array ekeys_out):
+    """Apply's BlockStored loop for a run of plain events, from events[i]: each one of
+    type `stored_cls` on `medium`, group 0, `block_size`, no LoRA / extra keys / salt,
+    packed hashes and ids, >= 1 full block, and a parent that is the pending tail or in
+    `emap` (the slot's EngineMap, or None). Their keys and engine keys are appended to the
+    packed pending arrays. Stops at the first other event (the reference code takes it).
+    Returns (index of that event, blocks appended)."""
+    cdef Py_ssize_t j = i, n, nt, k0, total = 0, stride = block_size * 4, e
+    cdef array tokens, hashes
+    cdef uint64_t seed, pk
+    cdef EngineMap em = emap if isinstance(emap, EngineMap) else None
+    cdef object ev, ph, t, h
+    if (KV_BIG_ENDIAN or block_size < 1 or keys_out.ob_descr.typecode != b"Q"
+            or ekeys_out.ob_descr.typecode != b"Q"):
+        return i, 0
+    while j < len(events):
+        ev = events[j]
+        if type(ev) is not stored_cls:
+            break
+        if ev.medium is not medium and ev.medium != medium:
+            break
+        if ev.group_idx or ev.block_size != block_size:
+            break
+        if (ev.extra_keys is not None or ev.lora_name is not None or ev.lora_id is not None
+                or ev.cache_salt is not None):
+            break
+        t = ev.token_ids
+        h = ev.block_hashes
+        if type(t) is not array or type(h) is not array:
+            break
+        tokens = <array>t
+        hashes = <array>h
+        if tokens.ob_descr.typecode != b"I" or hashes.ob_descr.typecode != b"Q":
+            break
+        n = len(hashes)
+        nt = len(tokens) // block_size
+        if nt < n:
+            n = nt
+        if n == 0:
+            break
+        ph = ev.parent_block_hash
+        if ph is None:
+            seed = 0
+        else:
+            if not kv_u64(ph, &pk):
+                break
+            pk &= MASK60
+            k0 = len(ekeys_out)
+            if k0 and ekeys_out.data.as_ulonglongs[k0 - 1] == pk:
+                seed = keys_out.data.as_ulonglongs[k0 - 1]
+            else:
+                e = em._find(pk) if em is not None else -1
+                if e < 0:
+                    break  # maybe pending (the caller flushes) or unknown
+                seed = em.val[e]
+        k0 = len(keys_out)
+        resize_smart(keys_out, k0 + n)
+        resize_smart(ekeys_out, k0 + n)
+        _chain_into(<const uint8_t*>tokens.data.as_uints, hashes.data.as_ulonglongs, n, stride,
+                    seed, keys_out.data.as_ulonglongs + k0, ekeys_out.data.as_ulonglongs + k0)
+        total += n
+        j += 1
+    return j, total

@@ -66,7 +66,7 @@ def test_every_vector_decodes_to_its_meaning(name: str, m: dict[str, Any]) -> No
     for got, exp in zip(msg.batch.events, want["events"], strict=True):
         assert type(got).__name__ == exp["type"]
         if isinstance(got, BlockStored):
-            assert got.block_hashes == _unjson(exp["block_hashes"])
+            assert list(got.block_hashes) == _unjson(exp["block_hashes"])
             assert got.parent_block_hash == _unjson(exp["parent_block_hash"])
             assert list(got.token_ids) == exp["token_ids"]
             assert got.block_size == exp["block_size"]

@@ -34,9 +34,12 @@ VECTOR_FRAMES = [
 
 
 def _norm(batch: EventBatch) -> Any:
-    """A batch with token ids as lists (the compiled decoder gives array('I'))."""
+    """A batch with token ids and block hashes as lists (the compiled decoder gives
+    array('I') / array('Q'))."""
     evs = [
-        replace(e, token_ids=list(e.token_ids)) if isinstance(e, BlockStored) else e
+        replace(e, token_ids=list(e.token_ids), block_hashes=list(e.block_hashes))
+        if isinstance(e, BlockStored)
+        else e
         for e in batch.events
     ]
     return (batch.ts, evs, batch.dp_rank, [(e.kind, e.detail) for e in batch.errors])
@@ -209,3 +212,103 @@ def test_hostile_frames_are_dropped_the_same_way() -> None:
     for i in range(1, len(payload)):
         hostile.append([b"t", bytes(8), payload[:i]])
     _same([("w", f) for f in [good, *hostile, good]])
+
+
+# ---- the fused batch decoder (scorer.native decode_batch) and the packed apply path ------
+
+
+def _fused(payload: bytes) -> Any:
+    from scorer.events import decode as d
+    from scorer.native import NATIVE
+
+    assert NATIVE is not None
+    return NATIVE.decode_batch(
+        payload, d.BlockStored, d.BlockRemoved, d.AllBlocksCleared, d.normalize_medium
+    )
+
+
+def test_fused_decoder_takes_the_common_shapes_of_every_era() -> None:
+    # Plain BlockStored / BlockRemoved / AllBlocksCleared, positional (0.9-0.23) and tagged
+    # maps (0.24+): one C pass, packed hashes and ids, the reference meaning.
+    stored_a = ["BlockStored", [1, 2**64 - 1], None, list(range(2 * BS)), BS, None, "CPU"]
+    stored_m = {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": 2**64 - 1,
+                "token_ids": [2**32 - 1] * BS, "block_size": BS, "lora_id": None,
+                "medium": "GPU", "lora_name": None, "extra_keys": None, "group_idx": 0}  # fmt: skip
+    for events in (
+        [stored_a, ["BlockRemoved", [1], "cpu"], ["AllBlocksCleared"]],
+        [stored_m, {"type": "BlockRemoved", "block_hashes": [3]}, {"type": "AllBlocksCleared"}],
+    ):
+        for rank in (None, 0, 3):
+            payload = _frames(events, rank)[2]
+            got = _fused(payload)
+            assert got is not None
+            ref = decode_message([b"t", bytes(8), payload], native=False).batch
+            assert _norm(EventBatch(got[0], got[1], got[2])) == _norm(ref)
+            assert type(got[1][0].block_hashes).__name__ == "array"
+
+
+def test_fused_decoder_leaves_every_other_shape_to_the_reference_paths() -> None:
+    base = ["BlockStored", [1], None, list(range(BS)), BS]
+    others: list[Any] = [
+        [[*base[:4], 0]],  # block_size 0
+        [["BlockStored", [-1], None, list(range(BS)), BS]],  # old vLLM's negative hashes
+        [["BlockStored", [b"\x01" * 32], None, list(range(BS)), BS]],  # bytes hashes
+        [["BlockStored", [1], None, [2**32], BS]],  # an id past uint32
+        [[*base, 7]],  # a LoRA id
+        [[*base, None, None, "lora-a"]],  # a LoRA name
+        [[*base, None, None, None, [["mm"]]]],  # extra keys
+        [["BlockStored", [1], -5, list(range(BS)), BS]],  # negative parent
+        [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "cache_salt": "s"}],
+        [{"block_hashes": [1], "type": "BlockStored", "token_ids": [1] * BS, "block_size": BS}],
+        [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * BS}],  # no block_size
+        [["Unknown", 1]],
+    ]
+    for events in others:
+        payload = _frames(events)[2]
+        assert _fused(payload) is None, events
+        _same([("w", _frames(events))])
+    _same([("w", _frames([base, {"type": "AllBlocksCleared"}]))])  # eras mixed: fused, same
+    good = _frames([base])[2]
+    assert _fused(good) is not None
+    for i in range(len(good)):  # every truncation: refused, never a crash
+        assert _fused(good[:i]) is None
+    assert _fused(good + b"\x00") is None
+    assert _fused(good.replace(b"\x94", b"\xdd\xff\xff\xff\xff", 1)) is None  # lying header
+
+
+@settings(max_examples=scaled(200))
+@given(st.binary(min_size=1, max_size=4), st.integers(0, 200))
+@example(b"\xc0", 3)
+@example(b"\xff", 0)
+def test_fused_decoder_on_corrupted_payloads_means_the_same(patch: bytes, at: int) -> None:
+    good = _frames(
+        [
+            {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None,
+             "token_ids": list(range(2 * BS)), "block_size": BS, "medium": "GPU"},
+            ["BlockRemoved", [5], None],
+        ]
+    )  # fmt: skip
+    payload = good[2]
+    at %= len(payload)
+    bad = payload[:at] + patch + payload[at + len(patch) :]
+    _same([("w", good), ("w", [b"t", bytes(8), bad]), ("w", good)])
+
+
+def test_shared_chains_and_removals_mean_the_same() -> None:
+    # The same chain (same engine hashes and tokens) stored by several workers, in prefill
+    # pieces, then partly removed and re-stored: the packed insert's shared-mask path.
+    toks = [(j * 13) % 97 for j in range(24 * BS)]
+    streams: list[tuple[str, list[bytes]]] = []
+    for w in range(5):
+        parent = None
+        for start in range(0, 24, 8):
+            hashes = list(range(500 + start, 508 + start))
+            ev = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                  "token_ids": toks[start * BS : (start + 8) * BS], "block_size": BS}  # fmt: skip
+            streams.append((f"w{w}", _frames([ev, ev] if w == 2 else [ev])))
+            parent = hashes[-1]
+    streams.append(("w1", _frames([{"type": "BlockRemoved", "block_hashes": [503, 517]}])))
+    streams.append(("w3", _frames([["AllBlocksCleared"]])))
+    streams += streams[:4]
+    _same(streams)
+    _same(streams, max_blocks=10)  # eviction on the packed path
