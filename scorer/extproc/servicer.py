@@ -402,11 +402,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         `on_message`), no task switch per message: a body chunk is read from its wire
         bytes (scorer.extproc.wire) and answered with pre-encoded bytes, then the
         director sees it; response headers and trailers are answered at once, then read
-        (protobuf) for the director. Anything else (end of stream on the headers, a shape
+        (protobuf) for the director. The director's part runs after the answers of the
+        same read are written (`after_write`): the last chunk of a response carries its
+        usage parse and the end-of-request bookkeeping, which Envoy would otherwise wait
+        for. Anything else (end of stream on the headers, a shape
         the wire reader leaves to protobuf, a full send window) returns False and the
         `_follow` loop handles it, the reference path."""
         director = self.director
         write_now = stream.write_now
+        after = stream.after_write  # the director's part runs once the answer is written
         continue_body = self._continue_response_body_wire
         continue_headers = self._continue_response_headers_wire
         continue_trailers = self._continue_response_trailers_wire
@@ -436,7 +440,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 checked_meta = meta
             if not write_now(encode(data, end, resp_body) if duplex else continue_body):
                 return False
-            director.response_chunk(rid, data, end)
+            after(director.response_chunk, rid, data, end)
             return True
 
         def answer_headers(raw: bytes) -> bool:
@@ -446,7 +450,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return False
             if m.response_headers.end_of_stream or not write_now(continue_headers):
                 return False
-            self._response_started(rid, m, bodies)
+            after(self._response_started, rid, m, bodies)
             return True
 
         def answer_trailers(raw: bytes) -> bool:
@@ -456,7 +460,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 return False
             if not write_now(continue_trailers):
                 return False
-            director.response_ended(rid)
+            after(director.response_ended, rid)
             return True
 
         return answer

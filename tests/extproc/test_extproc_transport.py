@@ -677,3 +677,74 @@ async def test_socket_reads_into_the_reused_buffer_parse_as_the_whole_bytes(read
         outs.append(bytes(t.out))
     assert outs[0] == outs[1]
     assert b"two" * 300 in outs[0]
+
+
+async def test_work_deferred_by_a_fast_answer_runs_after_the_answer_is_written() -> None:
+    """`after_write` inside a `fast` answerer: the answer leaves in the read's one write
+    first, then the deferred call runs (bookkeeping never holds an answer back); a
+    deferred call that fails ends its stream with UNKNOWN, as a failing handler does."""
+    from test_wire import Recorder
+
+    from scorer.extproc.transport import H2Connection
+
+    t = Recorder()
+    seen: list[bytes] = []
+
+    async def handler(_: Any, s: H2Stream) -> None:
+        def fast(raw: bytes) -> bool:
+            assert s.write_now(raw)
+
+            def later() -> None:
+                if raw == b"fail":
+                    raise RuntimeError("bookkeeping failed")
+                seen.append(bytes(t.out))
+
+            s.after_write(later)
+            return True
+
+        await s.write(await s.read())
+        s.on_message(fast)
+        while await s.read() is not EOF_:
+            pass
+
+    server = H2GrpcServer()
+    server.add_handler(PATH, handler)
+    conn = H2Connection(server)
+    conn.connection_made(t)
+    block = Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    )  # fmt: skip
+
+    def msg(m: bytes) -> bytes:
+        return T.frame(T.DATA, 0, 1, struct.pack(">BI", 0, len(m)) + m)
+
+    conn.data_received(
+        T.PREFACE + T.frame(T.SETTINGS, 0, 0, b"") + T.frame(T.HEADERS, T.END_HEADERS, 1, block)
+    )
+    conn.data_received(msg(b"first"))
+    for _ in range(100):  # bounded: until the handler has installed its answerer
+        if conn.streams[1].fast is not None and not conn.flush_scheduled:
+            break
+        await asyncio.sleep(0)
+    conn.data_received(msg(b"second"))
+    assert len(seen) == 1 and seen[0].endswith(b"second")  # written before it ran
+    assert seen[0] == bytes(t.out)
+    conn.data_received(msg(b"fail"))
+    assert 1 not in conn.streams  # the stream was ended, with trailers (UNKNOWN)
+    ftype, flags, sid, payload = _frames(bytes(t.out))[-2]  # then RST_STREAM(NO_ERROR)
+    assert (ftype, sid) == (T.HEADERS, 1) and flags & T.END_STREAM
+    from hpack import Decoder
+
+    assert ("grpc-status", "2") in Decoder().decode(payload)
+
+
+def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    out = []
+    pos = 0
+    while pos + 9 <= len(data):
+        lt, flags, sid = T.HDR.unpack_from(data, pos)
+        n = lt >> 8
+        out.append((lt & 0xFF, flags, sid, data[pos + 9 : pos + 9 + n]))
+        pos += 9 + n
+    return out

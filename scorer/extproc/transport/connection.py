@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from scorer.extproc.transport.frames import (
     ACK,
@@ -127,6 +128,9 @@ class H2Connection(asyncio.BufferedProtocol):
         self.out: list[bytes] = []
         self.flush_scheduled = False
         self.receiving = False  # inside data_received: it flushes at its end
+        # Work to run once this data_received's answers are written (H2Stream.after_write):
+        # bookkeeping that must not delay the answers it follows.
+        self.deferred: list[tuple[H2Stream, Callable[..., object], tuple[Any, ...]]] = []
         self.goaway_sent = False
         self.closed = False
         self.broken = False
@@ -243,6 +247,22 @@ class H2Connection(asyncio.BufferedProtocol):
             self.receiving = False
             if self.out:
                 self.flush()
+            if self.deferred:
+                self.run_deferred()
+
+    def run_deferred(self) -> None:
+        """Run what the streams deferred until their answers were written, in order. A
+        failure ends its stream as a failing handler would (UNKNOWN)."""
+        calls, self.deferred = self.deferred, []
+        for s, fn, args in calls:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("ext_proc message handler failed")
+                s.finish(2, "Unexpected error")
+                s.cancel_handler()
+        if self.out:
+            self.flush()
 
     def receive(self, data: bytes) -> None:
         """Parse the frames in `data` (plus what an earlier call left incomplete)."""

@@ -193,6 +193,17 @@ class H2Stream:
         self.send_credit -= n
         return True
 
+    def after_write(self, fn: Callable[..., object], *args: Any) -> None:
+        """Call `fn(*args)` once the answers queued so far have been written: at the end of
+        the connection's current `data_received` (after its one write), or now when not
+        inside one. For bookkeeping a `fast` answerer does after answering, so it does
+        not hold the answer back."""
+        conn = self.conn
+        if conn.receiving:
+            conn.deferred.append((self, fn, args))
+        else:
+            fn(*args)
+
     def on_message(self, fast: Callable[[bytes], bool] | None) -> None:
         """Install (None: remove) a synchronous answerer for this stream's messages.
 
