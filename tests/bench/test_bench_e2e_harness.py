@@ -165,7 +165,13 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
         b = r["breakdown"]
         assert b["matched"] == 6 and sum(b["per_worker"]["requests"]) == 6
         assert b["legs"]["to_engine_wall_ms"]["p50"] > 0 and b["legs"]["queue_ms"]["p50"] >= 0
-        assert r["ttft_real_p50_ms"] > 0 and r["cpu_s"]["sims"] > 0 and r["cpu_s"]["router"] > 0
+        assert r["ttft_real_p50_ms"] > 0
+        # Six tiny requests can stay under one clock tick (10 ms) in a process: the roles
+        # are reported, never negative; a positive figure is not guaranteed here.
+        cpu = r["cpu_s"]
+        assert {"sims", "router", "load_generator"} <= cpu.keys()
+        assert all(v >= 0 for v in cpu.values())
+        assert cpu["sims"] + cpu["router"] + cpu["load_generator"] > 0
     assert "to engine p50" in (report.format_breakdown(doc["policies"]) or "")
 
 
