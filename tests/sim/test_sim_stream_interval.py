@@ -1,8 +1,8 @@
 """Merged decode runs (--stream-interval > 1) keep what the step-by-step engine shows.
 
 A virtual clock stands in for time.monotonic and asyncio.sleep: a sleep jumps the clock to
-its deadline, stopping at each scheduled arrival so the driver submits the request at
-exactly that instant. The same schedule runs with interval 1 (the reference) and with
+its deadline, stopping at each scheduled arrival or abort so the driver acts at exactly
+that instant. The same schedule runs with interval 1 (the reference) and with
 merged runs; token ids, TTFT and e2e latencies, KV events, metrics, step count and the
 queue/running counts seen at every arrival must be identical.
 """
@@ -32,6 +32,8 @@ SCHEDULE: list[tuple[float, list[int], int]] = [
     (0.9, list(range(2000, 2070)), 12),
     (0.95, list(range(4000, 4100)), 1),
 ]
+# (time, index in SCHEDULE): a client goes away while its request decodes.
+ABORTS: list[tuple[float, int]] = [(0.0407, 0), (0.2309, 4)]
 
 
 class Publisher:
@@ -45,7 +47,7 @@ class Publisher:
 class VirtualTime:
     def __init__(self) -> None:
         self.now = 0.0
-        self.arrivals = [t for t, _, _ in SCHEDULE]
+        self.arrivals = sorted([t for t, _, _ in SCHEDULE] + [t for t, _ in ABORTS])
         self.submitted = asyncio.Event()
         self.engine: Engine | None = None
 
@@ -87,19 +89,28 @@ def run(monkeypatch: pytest.MonkeyPatch, interval: int) -> dict[str, Any]:
         eng.start()
         reqs: list[SimRequest] = []
         seen: list[tuple[int, int]] = []
-        for i, (t, prompt, max_tokens) in enumerate(SCHEDULE):
+        todo = sorted(
+            [(t, i, True) for i, (t, _, _) in enumerate(SCHEDULE)]
+            + [(t, i, False) for t, i in ABORTS]
+        )
+        for t, i, arrives in todo:
             for _ in range(100_000):
                 if vt.now >= t:
                     break
-                if not eng.waiting and not eng.running:
-                    vt.now = t  # idle: nothing sleeps, jump to the arrival
+                if not eng.waiting and not eng.running and not eng._wake.is_set():
+                    vt.now = t  # parked idle (wake-up cleared): jump to the event
                 else:
                     await REAL_SLEEP(0)
             assert vt.now == t
             seen.append((len(eng.waiting), len(eng.running)))
-            req = SimRequest(f"r{i}", prompt, max_tokens, arrival=t)
-            eng.submit(req)
-            reqs.append(req)
+            if arrives:
+                _, prompt, max_tokens = SCHEDULE[i]
+                req = SimRequest(f"r{i}", prompt, max_tokens, arrival=t)
+                eng.submit(req)
+                reqs.append(req)
+            else:
+                assert reqs[i] in eng.running  # the abort hits a decoding request
+                eng.abort(reqs[i])
             vt.arrivals.pop(0)
             vt.submitted.set()
         for req in reqs:
@@ -130,8 +141,9 @@ def run(monkeypatch: pytest.MonkeyPatch, interval: int) -> dict[str, Any]:
 def test_merged_runs_match_step_by_step(monkeypatch: pytest.MonkeyPatch, interval: int) -> None:
     ref = run(monkeypatch, 1)
     merged = run(monkeypatch, interval)
-    assert ref["finish"] == ["length"] * len(SCHEDULE)
-    assert sum(len(t) for t in ref["tokens"]) == sum(m for _, _, m in SCHEDULE)
+    aborted = {i for _, i in ABORTS}
+    assert ref["finish"] == ["abort" if i in aborted else "length" for i in range(len(SCHEDULE))]
+    assert all(0 < len(ref["tokens"][i]) < SCHEDULE[i][2] for i in aborted)
     assert any(c > 0 for c in ref["cached"])  # the schedule exercises cache hits
     for key in ref:
         assert merged[key] == ref[key], key

@@ -78,6 +78,7 @@ class SimRequest:
     ahead: tuple[int, int] = (0, 0)  # (waiting, running) when it arrived
     admitted_at: float = 0.0  # wall clock (monotonic) its prefill step started
     finish_reason: str | None = None
+    aborted_at: float | None = None  # wall clock (monotonic) it was aborted while running
     queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     rng: random.Random = field(default_factory=random.Random)
@@ -209,6 +210,7 @@ class Engine:
             self._finish(req, "abort", release=False)
         elif req in self.running:
             self.running.remove(req)
+            req.aborted_at = time.monotonic()
             self._finish(req, "abort", release=True)
             # The batch shrank: a merged decode run must end at the current step.
             self._wake.set()
@@ -375,7 +377,13 @@ class Engine:
         produced = 0
         for req in batch:
             if req.finish_reason is not None:
-                continue  # aborted during the run
+                # Aborted during the run: the steps that ended before still made its tokens
+                # (counted, as the step-by-step loop does; nobody reads them any more).
+                at = req.aborted_at if req.aborted_at is not None else start
+                made = sum(1 for e in ends[:steps] if e <= at)
+                req.output_ids.extend(req.rng.randrange(1000, self.vocab_size) for _ in range(made))
+                produced += made
+                continue
             for _ in range(steps):
                 tok = req.rng.randrange(1000, self.vocab_size)
                 req.output_ids.append(tok)
