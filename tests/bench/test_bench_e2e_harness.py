@@ -158,7 +158,7 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
     # prompts on one of the two workers, so some hits, never above the oracle.
     assert [r["requests"] for r in rr["runs"]] == [6, 6]
     assert 0 < rr["hit_rate"] <= doc["policies"]["oracle"]["hit_rate"] + 1e-9
-    assert doc["settings"]["repeats"] == 2
+    assert doc["settings"]["repeats"] == 2 and doc["settings"]["sim_stream_interval"] == 8
     assert all(r["send_lag_p99_ms"] >= 0 for r in rr["runs"])
     # Every request found in the sims' request logs; its legs in order on one clock.
     for r in rr["runs"]:

@@ -58,3 +58,17 @@ def test_sim_that_lost_its_event_port_is_restarted_on_fresh_ports(
     finally:
         group.stop_all()
         taken.close()
+
+
+def test_sims_get_the_stream_interval_of_the_settings(tmp_path: Path) -> None:
+    # The e2e default merges decode steps in the sims (their CPU falls ~3x); 1 restores a
+    # chunk per token. The flag must reach each sim's command line.
+    group = ProcGroup(tmp_path / "logs")
+    for interval in (8, 1):
+        settings = E2ESettings(workers=1, run_dir=tmp_path, stream_interval=interval)
+        argv = SimFleet(group, settings).argv(
+            fleet_mod.SimSpec(port=1, events_port=2, replay_port=3), 0
+        )
+        i = argv.index("--stream-interval")
+        assert argv[i + 1] == str(interval)
+    assert E2ESettings().stream_interval == 8

@@ -33,6 +33,14 @@ SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000, None]  # None = unbounded
 E2E_SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000]
 
 
+def _positive_int(text: str) -> int:
+    """An int ≥ 1 (argparse type)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add `kv-scorer bench`."""
     p: argparse.ArgumentParser = subparsers.add_parser(
@@ -99,6 +107,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--max-requests", type=int, default=None, help="first N requests only")
     p.add_argument("--max-num-seqs", type=int, default=256, help="per-worker sequence limit")
+    p.add_argument(
+        "--sim-stream-interval",
+        type=_positive_int,
+        default=8,
+        help="e2e: the sims' --stream-interval (decode steps merged per wake-up, tokens per"
+        " SSE chunk after the first); TTFT, KV events and load are exact at any value, and"
+        " 8 cuts the sims' CPU ~3x so the routers get the cores; 1 = a chunk per token",
+    )
     p.add_argument(
         "--policy-config",
         default=None,
@@ -170,6 +186,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "policies": policies,
         "max_requests": args.max_requests,
         "max_num_seqs": args.max_num_seqs,
+        "sim_stream_interval": args.sim_stream_interval,
         "policy_options": args.policy_options,
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
@@ -268,6 +285,7 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
             block_size=args.block_size,
             speed=args.time_scale,
             max_num_seqs=args.max_num_seqs,
+            stream_interval=args.sim_stream_interval,
             seed=args.seed,
             concurrency=args.concurrency,
             policy_options=args.policy_options,

@@ -100,6 +100,8 @@ class SimFleet:
             str(s.max_model_len),
             "--speed",
             str(s.speed),
+            "--stream-interval",
+            str(s.stream_interval),
             # Bind on loopback (vLLM's rule would connect for a non-* host).
             "--kv-events",
             spec.events,

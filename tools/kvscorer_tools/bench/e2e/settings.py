@@ -33,6 +33,9 @@ class E2ESettings:
     block_size: int = 512
     speed: float = 1.0  # sims' --speed; arrivals are already divided by it
     max_num_seqs: int = 256
+    # Sims' --stream-interval: merged decode steps and coalesced SSE chunks cut their CPU
+    # (bench/bench_sim_cpu.py) without moving TTFT, events or load (docs/sim.md).
+    stream_interval: int = 8
     max_num_batched_tokens: int = 8192
     max_model_len: int = 262144  # Mooncake prompts reach 126k tokens
     seed: int = 0
