@@ -241,3 +241,34 @@ async def test_request_log_has_one_line_per_request(tmp_path: Path) -> None:
     for x in lines:
         assert x["arrival"] <= x["admitted"] <= x["first"] and x["ttft_ms"] > 0
         assert x["prompt_tokens"] == 17 and x["waiting"] == 0
+
+
+async def test_stream_interval_coalesces_tokens_after_the_first() -> None:
+    cfg = SimConfig(port=0, block_size=4, capacity_blocks=64, speed=100.0, stream_interval=8)
+    async with running_workers([cfg]) as (w,), aiohttp.ClientSession() as s:
+        texts: list[str] = []
+        finishes: list[str | None] = []
+        body = {"prompt": "one two three four five", "max_tokens": 20, "stream": True}
+        async with s.post(w.url + "/v1/completions", json=body) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    texts.append(choice["text"])
+                    finishes.append(choice["finish_reason"])
+        _, whole = await _post(w, "/v1/completions", {**body, "stream": False})
+        _, first = await _post(w, "/v1/completions", {**body, "stream": False, "max_tokens": 1})
+    # Same tokens as unmerged; the first token alone (TTFT), then at most 8 per chunk:
+    # 19 tokens after the first make 3 merged runs, so 4 chunks unless the reader lagged.
+    assert "".join(texts) == whole["choices"][0]["text"]
+    assert texts[0] == first["choices"][0]["text"]
+    assert 2 <= len(texts) <= 4
+    assert finishes == [None] * (len(texts) - 1) + ["length"]
+
+
+def test_cli_rejects_bad_stream_interval() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "scorer.cli", "sim", "--stream-interval", "0"],
+        capture_output=True, text=True, cwd=REPO, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--stream-interval" in proc.stderr

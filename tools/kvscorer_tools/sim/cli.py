@@ -61,6 +61,13 @@ def register(subparsers: Any) -> None:
         default=d.speed,
         help="run this many times faster than the modelled GPU (default 1)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        help="run up to N decode-only steps per wake-up and send their tokens as one SSE "
+        "chunk per stream (first token always alone; default 1: one chunk per token)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed of generated tokens and ids")
     p.add_argument(
         "--kv-events",
@@ -121,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.speed > 0:
         raise ValueError("--speed must be > 0")
+    if args.stream_interval < 1:
+        raise ValueError("--stream-interval must be >= 1")
     return SimConfig(
         host=args.host,
         port=args.port,
@@ -133,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len,
         speed=args.speed,
         seed=args.seed,
+        stream_interval=args.stream_interval,
         kv_events=args.kv_events,
         request_log=args.request_log,
         kv_events_mode=args.kv_events_mode,

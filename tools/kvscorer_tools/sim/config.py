@@ -24,6 +24,9 @@ class SimConfig:
     max_model_len: int = 131072
     speed: float = 1.0  # wall clock runs this many times faster than model time
     seed: int = 0
+    # Decode-only steps run per engine wake-up, their tokens sent as one SSE chunk per
+    # stream (vLLM's --stream-interval). 1: one wake-up and one chunk per token.
+    stream_interval: int = 1
     kv_events: str | None = None  # ZMQ PUB endpoint, e.g. tcp://*:5557
     kv_events_mode: SocketMode = "auto"  # auto: vLLM's rule (bind on "*", else connect)
     replay: str | None = None  # ZMQ ROUTER replay endpoint, e.g. tcp://*:5558

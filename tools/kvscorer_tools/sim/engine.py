@@ -78,6 +78,7 @@ class SimRequest:
     ahead: tuple[int, int] = (0, 0)  # (waiting, running) when it arrived
     admitted_at: float = 0.0  # wall clock (monotonic) its prefill step started
     finish_reason: str | None = None
+    aborted_at: float | None = None  # wall clock (monotonic) it was aborted while running
     queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     rng: random.Random = field(default_factory=random.Random)
@@ -117,7 +118,10 @@ class Engine:
         publisher: KVEventPublisher | None,
         era: Era,
         seed: int,
+        stream_interval: int = 1,
     ) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -128,6 +132,8 @@ class Engine:
         self.publisher = publisher
         self.era: Era = era
         self.seed = seed
+        # Up to this many consecutive decode-only steps run in one wake-up (1: one per step).
+        self.stream_interval = stream_interval
         self.cache = PrefixCache(capacity_blocks, block_size, on_evict=self._on_evict)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -204,7 +210,10 @@ class Engine:
             self._finish(req, "abort", release=False)
         elif req in self.running:
             self.running.remove(req)
+            req.aborted_at = time.monotonic()
             self._finish(req, "abort", release=True)
+            # The batch shrank: a merged decode run must end at the current step.
+            self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached blocks (refused while requests run); emits AllBlocksCleared."""
@@ -290,6 +299,9 @@ class Engine:
                 continue
             self.running.extend(admitted)
             self._update_gauges()
+            if not admitted and self.stream_interval > 1:
+                await self._decode_run(decoding)
+                continue
             ms = self.timing.step_ms(prefill_tokens, len(decoding))
             # Steps end on absolute deadlines: asyncio wakes at 1 ms granularity, so a short
             # step (8 ms of decode at --speed 20 = 0.4 ms) oversleeps, and the next steps
@@ -323,6 +335,67 @@ class Engine:
                     self.metrics.e2e.observe(self.timing.model_s(end - req.arrival))
                     self._finish(req, "length", release=True)
             self._update_gauges()
+
+    async def _decode_run(self, batch: list[SimRequest]) -> None:
+        """Run up to `stream_interval` decode-only steps of `batch` in one wake-up.
+
+        Nothing observable changes between the steps of a run: it ends at the first step
+        where a request finishes (so the batch, the gauges and the cache stay as they are
+        until its last step), and a new request or an abort (`_wake`) cuts it at the step in
+        progress, which completes first, as a step does. Each step keeps its own deadline
+        (`self._clock` advances by whole steps), so admission, TTFT and the e2e latency are
+        those of the step-by-step loop; only the tokens of the run's steps are handed to
+        the streams together, at the wake-up.
+        """
+        now = time.monotonic()
+        start = self._clock if now - self._clock <= CATCH_UP_S else now
+        step_s = self.timing.wall_s(self.timing.step_ms(0, len(batch)))
+        left = min(r.max_tokens - len(r.output_ids) for r in batch)
+        steps = max(1, min(self.stream_interval, left))
+        # Step deadlines added one by one, as the step-by-step loop does (same floats).
+        ends: list[float] = []
+        end = start
+        for _ in range(steps):
+            end += step_s
+            ends.append(end)
+        self._wake.clear()
+        sleep = asyncio.ensure_future(asyncio.sleep(max(end - now, 0.0)))
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((sleep, wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleep.cancel()
+            wake.cancel()
+        if self._wake.is_set():
+            # Finish the step in progress (the first deadline not yet passed), then stop.
+            woke = time.monotonic()
+            steps = next((i + 1 for i, e in enumerate(ends) if e >= woke), steps)
+            end = ends[steps - 1]
+            await asyncio.sleep(max(end - time.monotonic(), 0.0))
+        self._clock = end
+        self.steps += steps
+        produced = 0
+        for req in batch:
+            if req.finish_reason is not None:
+                # Aborted during the run: the steps that ended before still made its tokens
+                # (counted, as the step-by-step loop does; nobody reads them any more).
+                at = req.aborted_at if req.aborted_at is not None else start
+                made = sum(1 for e in ends[:steps] if e <= at)
+                req.output_ids.extend(req.rng.randrange(1000, self.vocab_size) for _ in range(made))
+                produced += made
+                continue
+            for _ in range(steps):
+                tok = req.rng.randrange(1000, self.vocab_size)
+                req.output_ids.append(tok)
+                req.queue.put_nowait(tok)
+            produced += steps
+            if len(req.output_ids) >= req.max_tokens:
+                self.running.remove(req)
+                self.metrics.e2e.observe(self.timing.model_s(end - req.arrival))
+                self._finish(req, "length", release=True)
+        if produced:
+            self.metrics.generation_tokens.inc(produced)
+        self._update_gauges()
 
     def _finish(self, req: SimRequest, reason: str, *, release: bool) -> None:
         if release:

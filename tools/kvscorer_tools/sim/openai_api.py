@@ -180,8 +180,13 @@ async def stream(
     *,
     chat: bool,
     include_usage: bool,
+    interval: int = 1,
 ) -> web.StreamResponse:
-    """vLLM's SSE stream: one chunk per token, the usage chunk when asked, then [DONE]."""
+    """vLLM's SSE stream: one chunk per token, the usage chunk when asked, then [DONE].
+
+    With `interval` > 1 a chunk carries every token produced since the last one (the first
+    token always alone), as vLLM's `--stream-interval` does.
+    """
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -210,10 +215,23 @@ async def stream(
         }
         await resp.write(chunk([first]))
     n = 0
-    async for tok in req.tokens():
-        n += 1
+    ended = False
+    while not ended:
+        tok = await req.queue.get()
+        if tok is None:
+            break
+        toks = [tok]
+        # --stream-interval > 1: the tokens already produced go out as one chunk (vLLM's
+        # stream_interval); the first token always goes alone, so TTFT is not delayed.
+        while n > 0 and interval > 1 and not req.queue.empty():
+            more = req.queue.get_nowait()
+            if more is None:
+                ended = True
+                break
+            toks.append(more)
+        n += len(toks)
         last = n >= req.max_tokens
-        text = token_text(tok)
+        text = "".join(token_text(t) for t in toks)
         finish = "length" if last else None
         c: dict[str, Any] = {
             "index": 0,

@@ -78,6 +78,7 @@ class SimWorker:
             metrics=self.metrics,
             publisher=self.publisher,
             era=c.era,
+            stream_interval=c.stream_interval,
             seed=c.seed,
         )
         self._request_log: IO[str] | None = None
@@ -224,6 +225,7 @@ class SimWorker:
                     self.tokenizer.token_text,
                     chat=chat,
                     include_usage=usage,
+                    interval=self.config.stream_interval,
                 )
             await req.done.wait()
             text = self.tokenizer.decode(req.output_ids)
