@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import os
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -111,3 +112,52 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         os.environ.pop(FORBID_ENVOY_ENV, None)
+
+
+# ---- hang backstop -----------------------------------------------------------------------
+# pytest-timeout (`timeout`, signal method) fails a slow test cleanly and its fixtures still
+# stop their processes. It cannot fire while the main thread sits in C code that does not
+# return to the interpreter, nor after the session (a thread joined at exit). faulthandler's
+# watchdog is a C thread needing no GIL: past the timeout plus a margin, or a minute after
+# the session ended, it prints every thread's stack and exits 1. A hang is a failure.
+_BACKSTOP_MARGIN_S = 60.0
+_real_stderr: int | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    global _real_stderr
+    # fd 2 is pytest's capture file while tests run; the watchdog writes to the terminal.
+    capture = config.pluginmanager.getplugin("capturemanager")
+    err = getattr(getattr(capture, "_global_capturing", None), "err", None)
+    _real_stderr = getattr(err, "targetfd_save", None)
+
+
+def _ini_timeout(config: pytest.Config) -> Any:
+    try:
+        return config.getini("timeout")
+    except ValueError:  # -p no:timeout
+        return None
+
+
+def _watchdog(seconds: float) -> None:
+    fd = _real_stderr if _real_stderr is not None else 2
+    faulthandler.dump_traceback_later(seconds, exit=True, file=fd)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None]:
+    # Armed from setup to the next test's setup (covers call and teardown too).
+    marker = item.get_closest_marker("timeout")
+    timeout = marker.args[0] if marker and marker.args else None
+    timeout = timeout or item.config.getoption("timeout", None) or _ini_timeout(item.config)
+    if float(timeout or 0) > 0:
+        _watchdog(float(timeout) + _BACKSTOP_MARGIN_S)
+    else:  # --timeout 0 (debugging): no backstop either
+        faulthandler.cancel_dump_traceback_later()
+    yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _watchdog(_BACKSTOP_MARGIN_S)  # interpreter exit: atexit handlers, thread joins

@@ -167,7 +167,7 @@ async def listen(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     finally:
         if sub is not None:
             sub.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)  # never blocks on a socket a cancelled task left open
 
 
 def register(subparsers: Any) -> None:

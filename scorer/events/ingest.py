@@ -127,7 +127,9 @@ class EventIngest:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self._context is not None:
-            self._context.term()
+            # destroy, not term: term() blocks in libzmq while any socket is still open,
+            # so a leaked one would hang shutdown; every subscriber is stopped by now.
+            self._context.destroy(linger=0)
             self._context = None
 
     def status(self, endpoint: str) -> StreamStatus:

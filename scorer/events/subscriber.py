@@ -173,11 +173,12 @@ class Subscriber:
             t.cancel()
 
     async def stop(self) -> None:
-        for t in self._syncing:
+        """Cancel every task and wait for them, so no socket of ours (a sync's DEALER
+        included) is open when the caller terminates the ZMQ context."""
+        tasks = [*self._syncing, *self._tasks]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 
 import pytest
@@ -10,9 +11,21 @@ import zmq.asyncio
 
 @pytest.fixture
 async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    """One asyncio ZMQ context per test, terminated after it (sockets closed by then)."""
+    """One asyncio ZMQ context per test, destroyed after it.
+
+    `Context.term()` blocks in libzmq until every socket is closed, so one socket left open
+    (a test that failed before its cleanup, a task that never ran its `finally`) would hang
+    the run. Teardown closes the leftovers with linger 0 instead, then fails the test
+    naming them: a leak is a bug, never a hang.
+    """
     c = zmq.asyncio.Context()
     try:
         yield c
     finally:
-        c.term()
+        gc.collect()  # an unreachable socket is closed by its finalizer, not a leak
+        # pyzmq keeps a weak set of the context's sockets (what `destroy()` closes).
+        left = [s for s in list(getattr(c, "_sockets", ())) if not s.closed]
+        kinds = sorted(zmq.SocketType(s.type).name for s in left)
+        c.destroy(linger=0)
+    if left:
+        pytest.fail(f"test left {len(left)} ZMQ socket(s) open: {kinds}")

@@ -122,7 +122,7 @@ async def test_readiness_waits_for_the_event_stream_to_connect(harness: Any) -> 
         await asyncio.wait_for(wait_serving(h.app.health_port), 10)
     finally:
         pub.close()
-        ctx.term()
+        ctx.destroy(linger=0)
     st = await statuses(h.app.health_port)
     assert all(st[n] == SERVING for n in READY_NAMES), st
     assert (await readyz(h.app.admin_port))[0] == 200

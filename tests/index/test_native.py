@@ -38,7 +38,12 @@ def test_env_var_forces_pure_python() -> None:
     )
     env = {**os.environ, ENV_PURE: "1"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     )
     assert out.stdout.split() == ["True", "False", "False"]
 

@@ -221,7 +221,7 @@ async def test_dropped_event_stream_is_evidence() -> None:
     finally:
         await ingest.stop()
         await monitor.stop()
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 async def test_disabled_health_never_ejects() -> None:
