@@ -166,10 +166,36 @@ cdef inline uint64_t _be(const uint8_t* p, int k) noexcept nogil:
     return v
 
 
+cdef struct _Cur:
+    const uint8_t* p
+    const uint8_t* end
+
+
+cdef inline int _arr_len(_Cur* c, Py_ssize_t* n) noexcept:
+    """An array header → 1 and its length, else 0."""
+    cdef uint8_t b
+    if c.p >= c.end:
+        return 0
+    b = c.p[0]
+    if 0x90 <= b <= 0x9F:
+        n[0] = b & 0x0F
+        c.p += 1
+    elif b == 0xDC and c.end - c.p >= 3:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
+        c.p += 3
+    elif b == 0xDD and c.end - c.p >= 5:
+        n[0] = <Py_ssize_t>_be(c.p + 1, 4)
+        c.p += 5
+    else:
+        return 0
+    return n[0] <= c.end - c.p  # every item takes at least one byte
+
+
 cdef object _uints_at(const uint8_t** pp, const uint8_t* end, array template, uint64_t vmax):
     """The msgpack array at *pp whose items are all ints in [0, vmax] → an array like
     `template` ('I' or 'Q'), *pp moved past it; None for any other value."""
-    cdef const uint8_t* p = pp[0]
+    cdef _Cur c
+    cdef const uint8_t* p
     cdef Py_ssize_t n, i
     cdef uint8_t b
     cdef uint64_t v
@@ -178,22 +204,11 @@ cdef object _uints_at(const uint8_t** pp, const uint8_t* end, array template, ui
     cdef bint wide = template.ob_descr.itemsize == 8
     cdef uint32_t* dst32 = NULL
     cdef unsigned long long* dst64 = NULL
-    if end - p < 1:
+    c.p = pp[0]
+    c.end = end
+    if not _arr_len(&c, &n):
         return None
-    b = p[0]
-    if 0x90 <= b <= 0x9F:
-        n = b & 0x0F
-        p += 1
-    elif b == 0xDC and end - p >= 3:
-        n = <Py_ssize_t>_be(p + 1, 2)
-        p += 3
-    elif b == 0xDD and end - p >= 5:
-        n = <Py_ssize_t>_be(p + 1, 4)
-        p += 5
-    else:
-        return None
-    if n > end - p:  # every item takes at least one byte
-        return None
+    p = c.p
     out = clone(template, n, False)
     if wide:
         dst64 = out.data.as_ulonglongs
@@ -597,31 +612,6 @@ def index_add(dict d, EngineMap emap, array ekeys, array keys, object bit):
 # into the event dataclasses, with hashes and ids packed (array('Q') / array('I')). Anything
 # else (another field, a type it does not take, trailing bytes, a lying header) returns None
 # and the caller takes the msgspec paths, which give the reference meaning.
-
-cdef struct _Cur:
-    const uint8_t* p
-    const uint8_t* end
-
-
-cdef inline int _arr_len(_Cur* c, Py_ssize_t* n) noexcept:
-    """An array header → 1 and its length, else 0."""
-    cdef uint8_t b
-    if c.p >= c.end:
-        return 0
-    b = c.p[0]
-    if 0x90 <= b <= 0x9F:
-        n[0] = b & 0x0F
-        c.p += 1
-    elif b == 0xDC and c.end - c.p >= 3:
-        n[0] = <Py_ssize_t>_be(c.p + 1, 2)
-        c.p += 3
-    elif b == 0xDD and c.end - c.p >= 5:
-        n[0] = <Py_ssize_t>_be(c.p + 1, 4)
-        c.p += 5
-    else:
-        return 0
-    return n[0] <= c.end - c.p  # every item takes at least one byte
-
 
 cdef inline int _map_len(_Cur* c, Py_ssize_t* n) noexcept:
     cdef uint8_t b
