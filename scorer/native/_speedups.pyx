@@ -16,10 +16,12 @@ Every function raises the same exception classes as the pure code on bad input
 """
 
 from cpython.array cimport array, clone
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.array cimport resize_smart
 from cpython.dict cimport PyDict_Size
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_FromUnsignedLongLong
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
@@ -1090,4 +1092,33 @@ def cost_column(list pf, list dc, list credit, list weighted, list held, double 
         if not p > 0.0:
             p = 0.0
         out[k] = pls * p + <double>dc[k] + rb + dup * (best - <double>held[k])
+    return out
+
+
+# -- Token-id prompts (scorer.tokens.service.Tokenization._ids_bytes is the reference) -----
+
+def ids_u32_bytes(list ids):
+    """A JSON token-id list as little-endian uint32 bytes, in one pass: TypeError when any
+    item is not exactly an int (a bool, float or str is not a token id), else OverflowError
+    when any is outside [0, 2**32) — the reference's order of checks."""
+    cdef Py_ssize_t n = len(ids), i
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * n)
+    cdef char* buf = PyBytes_AS_STRING(out)
+    cdef long long x
+    cdef int ovf
+    cdef bint over = False
+    cdef uint32_t le
+    cdef object v
+    for i in range(n):
+        v = ids[i]
+        if type(v) is not int:
+            raise TypeError("token ids must be ints")
+        x = PyLong_AsLongLongAndOverflow(v, &ovf)
+        if ovf != 0 or x < 0 or x > <long long>U32MAX:
+            over = True
+            continue
+        le = kv_le32(<uint32_t>x)
+        memcpy(buf + 4 * i, &le, 4)
+    if over:
+        raise OverflowError("token id out of the uint32 range")
     return out
