@@ -431,7 +431,7 @@ def dynamo_costs(
         cands = [candidates[i] for i in eligible]
         eps = [endpoints[i] for i in eligible]
     ms: list[MatchLike | None] = list(map(matches.get, eps)) if matches else [None] * n
-    any_match = bool(matches) and ms.count(None) < n  # (a match is never None)
+    any_match = bool(matches) and not matches.keys().isdisjoint(eps)
 
     # Credit: 1 / (1 + decay * excess), excess in "least-loaded loads".
     decay = opts.credit_decay

@@ -23,7 +23,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
@@ -281,12 +280,9 @@ class Profile(Policy):
         return reason, notes
 
 
-_inflight_requests = attrgetter("inflight.requests")
-
-
 def _requests(candidates: Sequence[Worker]) -> list[int]:
     """Each candidate's in-flight requests now (the rows show them as decided)."""
-    return list(map(_inflight_requests, candidates))
+    return [w.inflight.requests for w in candidates]
 
 
 def _held_blocks(cycle: Cycle, i: int) -> int:
