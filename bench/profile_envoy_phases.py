@@ -174,6 +174,15 @@ async def drive(
         cd.close()
 
 
+def wait_for_lines(path: Path, n: int, timeout_s: float = 20.0) -> None:
+    """Until the access log at `path` has `n` lines, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.1)
+
+
 def read_log(path: Path, skip: int) -> list[dict[str, Any]]:
     rows = []
     for line in path.read_text().splitlines()[skip:]:
@@ -228,7 +237,10 @@ def run_shape(
                 for n in ("main", "direct")
             }
             lat = asyncio.run(drive(main_port, ports["direct"], reqs, args.requests))
-            time.sleep(1.2)  # the file access log flushes every second
+            for n in ("main", "direct"):
+                # 20 warm-up requests + the measured ones: wait for Envoy to flush them all
+                # (every second, later under load; a short log made empty medians).
+                wait_for_lines(log_dir / f"access-{n}.log", skip[n] + 20 + args.requests)
             cell: dict[str, Any] = {}
             for n in ("main", "direct"):
                 rows = read_log(log_dir / f"access-{n}.log", skip[n] + 20)
