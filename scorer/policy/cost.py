@@ -115,6 +115,10 @@ class CostModelOptions(PolicyOptions):
     # Expected block life (module doc, "Block life"): a cached chain about to be evicted
     # is worth less. Off: every cached block counts fully.
     block_life: bool = False
+    # Where a worker's eviction rate comes from: "events" (the GPU blocks its BlockRemoved
+    # events removed, counted by the index; falls back to "routed" without an event-fed
+    # index) or "routed" (the blocks this router wrote there while its cache was full).
+    life_rate: Literal["events", "routed"] = "events"
     # Time constant (s) of the smoothed per-worker eviction rate.
     life_window_s: float = Field(60.0, gt=0)
     # A chain is worth its full credit while more than this fraction of the worker's
@@ -249,7 +253,7 @@ class FleetInputs:
     prefill_line: tuple[float, float, float, float]
     ms_per_block: float
     block_size: int
-    life: dict[int, tuple[float, float | None, float | None]]
+    life: dict[int, tuple[float, float | None, float | None, float]]
     previous: int | None = None
     # Live session weight per eligible candidate (parallel to eligible) when the request
     # opens a new session and session_spread is on; else None.
@@ -273,6 +277,9 @@ class CandidateTerms:
     life_factor: float = 1.0
     block_life_s: float | None = None
     chain_age_s: float | None = None
+    # The worker's smoothed eviction rate (blocks/s) the block life came from (None: the
+    # block-life term did not apply).
+    evictions_per_s: float | None = None
     previous_turn: bool = False
     # session_spread's input: the candidate's live session weight (None: not applied).
     live_sessions: float | None = None
@@ -285,6 +292,9 @@ class CandidateTerms:
             "life_factor": round(self.life_factor, 3),
             "block_life_s": None if self.block_life_s is None else round(self.block_life_s, 1),
             "chain_age_s": None if self.chain_age_s is None else round(self.chain_age_s, 1),
+            "evictions_per_s": (
+                None if self.evictions_per_s is None else round(self.evictions_per_s, 2)
+            ),
             "previous_turn": self.previous_turn,
             "live_sessions": None if self.live_sessions is None else round(self.live_sessions, 1),
             "left_for_balance": self.left_for_balance,
@@ -369,7 +379,7 @@ class CostTable:
         t.left_for_balance = i == fleet.left
         got = fleet.life.get(i)
         if got is not None:
-            t.life_factor, t.block_life_s, t.chain_age_s = got
+            t.life_factor, t.block_life_s, t.chain_age_s, t.evictions_per_s = got
         return t
 
 

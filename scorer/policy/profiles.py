@@ -66,7 +66,8 @@ class SimpleOptions(PolicyOptions):
 _BUSY = tuple(BusyOptions.model_fields)
 _COST = (
     "prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "duplicate_cost",
-    "speculative", "unit", "decode_ms_per_block", "block_life", "life_window_s", "life_fade",
+    "speculative", "unit", "decode_ms_per_block", "block_life", "life_rate", "life_window_s",
+    "life_fade",
     "continuity", "continuity_min_match", "session_spread", "session_weight",
     "session_live_s", "session_rebalance",
 )  # fmt: skip

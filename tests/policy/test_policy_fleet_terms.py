@@ -84,7 +84,8 @@ def test_old_chain_on_a_full_cache_is_worth_less() -> None:
     """
     k = keys(10)
     for life, winner in ((False, 0), (True, 1)):
-        s = make(2, options={**BASE, "block_life": life, "life_window_s": 10.0})
+        opts = {**BASE, "block_life": life, "life_window_s": 10.0, "life_rate": "routed"}
+        s = make(2, options=opts)
         hold(s.index, endpoint(0), k)
         set_load(s, 0, prefill=3)
         w0 = s.pool.workers[endpoint(0)]
@@ -103,6 +104,43 @@ def test_old_chain_on_a_full_cache_is_worth_less() -> None:
             assert t["block_life_s"] == pytest.approx(20.0 / (10.0 * math.exp(-0.3)), rel=0.05)
         else:
             assert "terms" not in row
+
+
+def test_eviction_rate_from_block_removed_counts() -> None:
+    """`life_rate: events`: the rate is the worker's BlockRemoved count over time, as the
+    index applied it (not the router's own writes). W0 holds the 10-block prompt and has
+    removed 100 other blocks 3 s ago (10-s window): its 20-block cache turns over in
+    ~2.7 s, the chain (routed 3 s ago) is gone by the block-life estimate, and W1 wins."""
+    k = keys(10)
+    s = make(2, options={**BASE, "block_life": True, "life_window_s": 10.0})
+    scorer = s.policy.scorers[0]
+    assert scorer.life.from_events
+    hold(s.index, endpoint(0), k)
+    set_load(s, 0, prefill=3)
+    s.pool.workers[endpoint(0)].scraped.num_gpu_blocks = 20
+    now = s.policy.clock()
+    # A routed chain with many written blocks does not move the rate any more.
+    scorer.life.routed(endpoint(0), k, 100.0, now - 3.0, full=True)
+    assert scorer.life.eviction_rate(endpoint(0), now) == 0.0
+    scorer.life.removed(endpoint(0), s.index.removed_total(endpoint(0)), now)
+    assert scorer.life.life_s(endpoint(0), 20.0, now) is None  # nothing removed: no limit
+    # The engine evicts 100 blocks (its BlockRemoved events, applied by the index).
+    other = keys(100, base=9000)
+    hold(s.index, endpoint(0), other)
+    assert s.index.remove(endpoint(0), None, [x ^ 0x5A5A for x in other]) == (100, 0)
+    assert s.index.removed_total(endpoint(0)) == 100
+    assert s.index.stats(endpoint(0))["removed"] == 100
+    d = s.policy.decide(request(k), list(s.pool))
+    t = by_ep(d)[endpoint(0)].as_dict()["terms"]
+    assert t["evictions_per_s"] == pytest.approx(10.0)  # 100 blocks / 10 s window
+    assert t["block_life_s"] == pytest.approx(2.0)
+    assert t["life_factor"] == 0.0  # routed 3 s ago: past its 2 s life
+    assert d.endpoint == endpoint(1)
+
+
+def test_approx_block_life_falls_back_to_routed_blocks() -> None:
+    s = make(2, policy="approx", options={**BASE, "block_life": True})
+    assert not s.policy.scorers[0].life.from_events
 
 
 def test_ms_unit_prices_the_queue_and_the_uncached_prefill() -> None:
