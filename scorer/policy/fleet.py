@@ -53,7 +53,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scorer.policy.parts import MatchLike
 
 
 class CacheLife:
@@ -171,6 +175,18 @@ def life_factor(remaining_s: float, wait_s: float, life_s: float, fade: float) -
     if span <= 0.0:
         return 1.0 if left > 0.0 else 0.0
     return min(max(left / span, 0.0), 1.0)
+
+
+def own_blocks(previous: str, matches: Mapping[str, MatchLike], endpoints: Iterable[str]) -> int:
+    """Blocks of the prompt the previous turn's worker holds beyond every other one of
+    `endpoints` (its cached prefix minus the longest other): the conversation's own
+    context there, what moving the turn would prefill again. 0 when all it holds is also
+    held elsewhere (a shared system prompt): the turn can move at no loss of cache."""
+    m = matches.get(previous)
+    if m is None:
+        return 0
+    other = max((x.blocks for e in endpoints if e != previous and (x := matches.get(e))), default=0)
+    return max(m.blocks - other, 0)
 
 
 class Sessions:

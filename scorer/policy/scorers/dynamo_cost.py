@@ -18,7 +18,7 @@ from pydantic import Field
 
 from scorer.policy.approx_index import ApproxIndex
 from scorer.policy.cost import CostModelOptions, FleetInputs, dynamo_costs
-from scorer.policy.fleet import CacheLife, Sessions, life_factor
+from scorer.policy.fleet import CacheLife, Sessions, life_factor, own_blocks
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.policy.plugin import Cycle, Scorer, plugin
 from scorer.pool.prefill import PrefillModel
@@ -149,8 +149,12 @@ class DynamoCost(Scorer):
                     f = life_factor(life_s - age, wait, life_s, o.life_fade)
                 life[i] = (f, life_s, age, cl.eviction_rate(w.endpoint, now))
         previous: int | None = None
+        own: int | None = None
         if o.continuity > 0.0:
             previous = self._previous(cycle, matches)
+            if previous is not None and o.continuity_own_blocks:
+                eps = cycle.endpoints
+                own = own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])
         live: list[float] | None = None
         left: int | None = None
         ss = self.sessions
@@ -172,6 +176,7 @@ class DynamoCost(Scorer):
             bs,
             life,
             previous,
+            own,
             live,
             left,
         )
