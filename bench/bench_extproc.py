@@ -1,6 +1,7 @@
 """What the ext_proc data path costs: Envoy + kv-scorer vs Envoy straight to the backend.
 
     .venv/bin/python bench/bench_extproc.py [--seconds 3] [--quick] [--transport asyncio,grpcio]
+        [--event-loop uvloop,asyncio]
     .venv/bin/python bench/bench_extproc.py --cpu 3000     # CPU µs per stream only (low noise)
 
 Processes (all real, all on loopback): one aiohttp echo backend, `kv-scorer serve`
@@ -10,7 +11,8 @@ with two listeners: `main` (ext_proc FULL_DUPLEX_STREAMED → scorer → ORIGINA
 interleaved in rounds so machine noise hits both. The scorer runs twice: with
 `extproc.track_responses` on (stream kept open to the end of the response) and off
 (stream closed right after the routing answer), once per `server.extproc_transport`
-(asyncio: our HTTP/2 server; grpcio: grpc.aio).
+(asyncio: our HTTP/2 server; grpcio: grpc.aio) and per `--event-loop` (`server.event_loop`
+of the scorer process: uvloop, the default, and/or asyncio; A/B in one run).
 
 Cells: body 2 KB / 32 KB x concurrency 1 / 16. Reports p50/p99 latency of each path, the
 added p50/p99 (main - direct), requests/s, scorer CPU µs per request (utime+stime
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -104,11 +107,14 @@ def cpu_split(pid: int) -> tuple[float, float]:
 
 
 def start_scorer(
-    backend: str, track: bool, transport: str = "asyncio"
+    backend: str, track: bool, transport: str = "asyncio", event_loop: str | None = None
 ) -> tuple[subprocess.Popen[str], int]:
+    """`kv-scorer serve` (round_robin) in its own process; `event_loop` None: the default."""
     env = dict(os.environ)
     env["KV_SCORER_EXTPROC__TRACK_RESPONSES"] = "true" if track else "false"
     env["KV_SCORER_SERVER__EXTPROC_TRANSPORT"] = transport
+    if event_loop is not None:
+        env["KV_SCORER_SERVER__EVENT_LOOP"] = event_loop
     env["KV_SCORER_DECISIONS__LOG_SIZE"] = "1000"
     custom = os.environ.get("BENCH_SCORER_CMD")  # experiments: another ext_proc server
     cmd = [*custom.split(), backend] if custom else [
@@ -232,10 +238,11 @@ async def bench_setting(
     concs: list[int],
     seconds: float,
     rounds: int,
+    event_loop: str,
 ) -> list[dict[str, Any]]:
     backend, bport = start_backend()
     bep = f"127.0.0.1:{bport}"
-    scorer, xport = start_scorer(bep, track, transport)
+    scorer, xport = start_scorer(bep, track, transport, event_loop)
     rows: list[dict[str, Any]] = []
     try:
         cfg = render_envoy_config(
@@ -266,6 +273,7 @@ async def bench_setting(
                     sent1, recv1 = msg_counts(envoy)
                     row: dict[str, Any] = {
                         "transport": transport,
+                        "event_loop": event_loop,
                         "track_responses": track,
                         "body_bytes": len(req) - req.index(b"\r\n\r\n") - 4,
                         "concurrency": conc,
@@ -295,7 +303,8 @@ async def bench_setting(
 
 
 HEADER = (
-    f"{'transport':>9} {'track':>5} {'body':>6} {'conc':>4} | {'direct p50':>10} {'p99':>7} | "
+    f"{'transport':>9} {'loop':>7} {'track':>5} {'body':>6} {'conc':>4} | "
+    f"{'direct p50':>10} {'p99':>7} | "
     f"{'extproc p50':>11} {'p99':>7} | {'added p50':>9} {'p99':>7} | "
     f"{'rps direct':>10} {'rps ext':>8} | {'CPU µs/req':>10} {'req/s/core':>10}"
 )
@@ -303,7 +312,8 @@ HEADER = (
 
 def print_row(r: dict[str, Any]) -> None:
     print(
-        f"{r['transport']:>9} {'on' if r['track_responses'] else 'off':>5} {r['body_bytes']:>6} "
+        f"{r['transport']:>9} {r['event_loop']:>7} {'on' if r['track_responses'] else 'off':>5} "
+        f"{r['body_bytes']:>6} "
         f"{r['concurrency']:>4} | {r['direct_p50_ms']:>10.3f} {r['direct_p99_ms']:>7.3f} | "
         f"{r['extproc_p50_ms']:>11.3f} {r['extproc_p99_ms']:>7.3f} | "
         f"{r['added_p50_ms']:>9.3f} {r['added_p99_ms']:>7.3f} | "
@@ -317,12 +327,12 @@ def print_row(r: dict[str, Any]) -> None:
 
 
 async def cpu_setting(
-    track: bool, transport: str, body_mode: BodyMode, n: int, reps: int
+    track: bool, transport: str, body_mode: BodyMode, n: int, reps: int, event_loop: str
 ) -> dict[str, Any]:
     """Scorer CPU per stream over `n` sequential requests, `reps` times."""
     backend, bport = start_backend()
     bep = f"127.0.0.1:{bport}"
-    scorer, xport = start_scorer(bep, track, transport)
+    scorer, xport = start_scorer(bep, track, transport, event_loop)
     try:
         cfg = render_envoy_config(0, xport, 0, body_mode=body_mode, track_responses=track)
         async with EnvoyProcess(cfg, concurrency=1) as envoy:
@@ -348,6 +358,7 @@ async def cpu_setting(
         stop(backend)
     return {
         "transport": transport,
+        "event_loop": event_loop,
         "track_responses": track,
         "body_mode": body_mode,
         "requests": n * reps,
@@ -359,26 +370,27 @@ async def cpu_setting(
     }
 
 
-def cpu_main(args: argparse.Namespace, transports: list[str], tracks: list[bool]) -> int:
+def cpu_main(
+    args: argparse.Namespace, transports: list[str], tracks: list[bool], loops: list[str]
+) -> int:
     print(f"scorer CPU µs per stream, 2 KB body, {args.cpu} sequential requests x {args.reps}")
     print(
-        f"{'transport':>9} {'track':>5} {'body mode':>20} | {'min':>5} {'median':>6} "
+        f"{'transport':>9} {'loop':>7} {'track':>5} {'body mode':>20} | {'min':>5} {'median':>6} "
         f"{'user %':>6} | {'msgs in':>7} {'out':>5}"
     )
     rows = []
-    for transport in transports:
-        for track in tracks:
-            modes: tuple[BodyMode, ...] = ("FULL_DUPLEX_STREAMED", "BUFFERED")
-            for mode in modes:
-                r = asyncio.run(cpu_setting(track, transport, mode, args.cpu, args.reps))
-                rows.append(r)
-                print(
-                    f"{transport:>9} {'on' if track else 'off':>5} {mode:>20} | "
-                    f"{r['cpu_us_min']:>5.0f} {r['cpu_us_median']:>6.0f} "
-                    f"{r['user_share'] * 100:>6.0f} | {r['msgs_to_scorer_per_req']:>7.2f} "
-                    f"{r['msgs_from_scorer_per_req']:>5.2f}",
-                    flush=True,
-                )
+    for loop, transport, track in itertools.product(loops, transports, tracks):
+        modes: tuple[BodyMode, ...] = ("FULL_DUPLEX_STREAMED", "BUFFERED")
+        for mode in modes:
+            r = asyncio.run(cpu_setting(track, transport, mode, args.cpu, args.reps, loop))
+            rows.append(r)
+            print(
+                f"{transport:>9} {loop:>7} {'on' if track else 'off':>5} {mode:>20} | "
+                f"{r['cpu_us_min']:>5.0f} {r['cpu_us_median']:>6.0f} "
+                f"{r['user_share'] * 100:>6.0f} | {r['msgs_to_scorer_per_req']:>7.2f} "
+                f"{r['msgs_from_scorer_per_req']:>5.2f}",
+                flush=True,
+            )
     out = Path(args.out).with_name("extproc_cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "extproc_cpu", "rows": rows}, indent=2))
@@ -395,6 +407,11 @@ def main() -> int:
     ap.add_argument(
         "--transport", default="asyncio,grpcio", help="server.extproc_transport values, comma list"
     )
+    ap.add_argument(
+        "--event-loop",
+        default="uvloop",
+        help="server.event_loop values of the scorer, comma list (uvloop,asyncio: an A/B)",
+    )
     ap.add_argument("--cpu", type=int, default=0, metavar="N", help="CPU per stream only")
     ap.add_argument("--reps", type=int, default=5, help="repetitions for --cpu")
     ap.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
@@ -403,19 +420,19 @@ def main() -> int:
         backend_main(0)
         return 0
     transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    loops = [x.strip() for x in args.event_loop.split(",") if x.strip()]
     tracks = [True] if args.quick else [True, False]
     if args.cpu:
-        return cpu_main(args, transports, tracks)
+        return cpu_main(args, transports, tracks, loops)
     sizes = [2048] if args.quick else [2048, 32768]
     concs = [1, 16]
     print(f"latency in ms; {os.cpu_count()} cores; {args.seconds}s per path per cell")
     print(HEADER)
     rows: list[dict[str, Any]] = []
-    for transport in transports:
-        for track in tracks:
-            rows += asyncio.run(
-                bench_setting(track, transport, sizes, concs, args.seconds, args.rounds)
-            )
+    for loop, transport, track in itertools.product(loops, transports, tracks):
+        rows += asyncio.run(
+            bench_setting(track, transport, sizes, concs, args.seconds, args.rounds, loop)
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {

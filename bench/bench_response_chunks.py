@@ -1,14 +1,16 @@
 """What streaming response bodies through ext_proc costs, per chunk.
 
     .venv/bin/python bench/bench_response_chunks.py [--chunks 1000] [--streams 5]
-        [--transport asyncio,grpcio]
+        [--transport asyncio,grpcio] [--event-loop uvloop,asyncio]
 
 Processes (all real, loopback): an SSE backend that sends `--chunks` events paced
 ~0.2 ms apart (each event is one chunk; it carries its send time), `kv-scorer serve`
 (its own process, so its CPU time is read from /proc) and two Envoys in front of it:
 `bodies` (response_body_mode FULL_DUPLEX_STREAMED: every chunk goes to the scorer and
 back) and `no-bodies` (response_body_mode NONE, otherwise identical). The two are run in
-alternating rounds so machine noise hits both.
+alternating rounds so machine noise hits both. Once per `--transport`
+(`server.extproc_transport`) and per `--event-loop` (`server.event_loop` of the scorer
+process; default uvloop, as `kv-scorer serve`; `uvloop,asyncio` is an A/B in one run).
 
 Per setting: per-chunk latency (client arrival - backend send, p50/p99 over all chunks),
 the scorer's CPU time per stream, the ext_proc messages Envoy sent per stream; derived:
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import itertools
 import json
 import statistics
 import subprocess
@@ -91,9 +94,9 @@ def msgs_sent(envoy: EnvoyProcess) -> int:
 
 
 async def bench_transport(
-    transport: str, backend: str, streams: int, chunks: int
+    transport: str, event_loop: str, backend: str, streams: int, chunks: int
 ) -> dict[str, Any]:
-    scorer, extproc_port = bx.start_scorer(backend, True, transport)
+    scorer, extproc_port = bx.start_scorer(backend, True, transport, event_loop)
     try:
         envoys = {
             mode: EnvoyProcess(render_envoy_config(0, extproc_port, 0, response_body_mode=m))
@@ -121,7 +124,12 @@ async def bench_transport(
                 await e.__aexit__(None, None, None)
     finally:
         bx.stop(scorer)
-    out: dict[str, Any] = {"transport": transport, "streams": streams, "chunks": chunks}
+    out: dict[str, Any] = {
+        "transport": transport,
+        "event_loop": event_loop,
+        "streams": streams,
+        "chunks": chunks,
+    }
     for mode in lat:
         out[mode] = {
             "chunk_latency_p50_us": round(statistics.median(lat[mode]) * 1e6, 1),
@@ -148,6 +156,11 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=1000)
     ap.add_argument("--streams", type=int, default=5)
     ap.add_argument("--transport", default="asyncio,grpcio")
+    ap.add_argument(
+        "--event-loop",
+        default="uvloop",
+        help="server.event_loop values of the scorer, comma list (uvloop,asyncio: an A/B)",
+    )
     ap.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_backend:
@@ -162,11 +175,13 @@ def main() -> int:
         assert p.stdout is not None
         backend = f"127.0.0.1:{int(p.stdout.readline().split()[1])}"
         results = []
-        for t in [x.strip() for x in args.transport.split(",") if x.strip()]:
-            r = asyncio.run(bench_transport(t, backend, args.streams, args.chunks))
+        transports = [x.strip() for x in args.transport.split(",") if x.strip()]
+        loops = [x.strip() for x in args.event_loop.split(",") if x.strip()]
+        for loop, t in itertools.product(loops, transports):
+            r = asyncio.run(bench_transport(t, loop, backend, args.streams, args.chunks))
             results.append(r)
             print(
-                f"{t:8s} chunk p50 bodies {r['bodies']['chunk_latency_p50_us']:8.1f} µs  "
+                f"{t:8s} {loop:7s} chunk p50 bodies {r['bodies']['chunk_latency_p50_us']:8.1f} µs  "
                 f"no-bodies {r['no-bodies']['chunk_latency_p50_us']:8.1f} µs  "
                 f"added {r['added_latency_per_chunk_p50_us']:7.1f} µs  "
                 f"scorer CPU/chunk {r['scorer_cpu_us_per_chunk']} µs "

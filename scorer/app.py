@@ -21,7 +21,7 @@ import inspect
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -267,7 +267,7 @@ class App:
             self._ready_task = asyncio.create_task(self._wait_ready(), name="readiness")
         log.warning(
             "kv-scorer serving ext_proc=%s:%d health=%s:%d admin=%s:%d policy=%s workers=%d "
-            "ext_proc_tls=%s",
+            "ext_proc_tls=%s loop=%s",
             s.host,
             self.extproc_port,
             s.host,
@@ -277,6 +277,7 @@ class App:
             self.policy.name,
             len(self.pool),
             "off" if self.tls is None else "self-signed" if self.tls.self_signed else "on",
+            running_loop_kind(),
         )
 
     async def _open_gate(self) -> bool:
@@ -340,6 +341,21 @@ class App:
             self.health_server = None
         await self.admin.stop()
         POOLS.remove(self.pool)
+
+
+def loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """A new-event-loop function for `server.event_loop` ("uvloop" or "asyncio")."""
+    if kind == "uvloop":
+        import uvloop  # imported only when selected
+
+        return uvloop.new_event_loop
+    return asyncio.new_event_loop
+
+
+def running_loop_kind() -> str:
+    """ "uvloop" or "asyncio": the event loop this coroutine runs on (start-up log line)."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.startswith("uvloop") else "asyncio"
 
 
 async def serve(config: Config) -> int:
@@ -482,11 +498,8 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if config.server.event_loop == "uvloop":
-        import uvloop  # only imported when configured
-
-        return uvloop.run(serve(config))
-    return asyncio.run(serve(config))
+    with asyncio.Runner(loop_factory=loop_factory(config.server.event_loop)) as runner:
+        return runner.run(serve(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -70,9 +70,9 @@ class ServerConfig(Strict):
     # 2-3x less CPU per stream) or "grpcio" (grpc.aio). Both serve ext_proc, scorer.v1
     # Score and health Check there; health Watch only on the health port with "asyncio".
     extproc_transport: Literal["asyncio", "grpcio"] = "asyncio"
-    # Event loop the whole process runs on: "asyncio" (the standard library's) or "uvloop"
-    # (libuv; less CPU per socket wake-up, e.g. per streamed response chunk).
-    event_loop: Literal["asyncio", "uvloop"] = "asyncio"
+    # Event loop the whole process runs on: "uvloop" (libuv; about half the CPU per socket
+    # wake-up of asyncio's, bench/bench_loop_floor.py) or "asyncio" (the standard library's).
+    event_loop: Literal["asyncio", "uvloop"] = "uvloop"
     tls: TlsConfig = Field(default_factory=TlsConfig)
     # Readiness (gRPC health "", "readiness", "inference-extension", the ext_proc name;
     # /readyz) waits at start-up until the pool has a worker and every KV-event stream

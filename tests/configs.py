@@ -8,10 +8,15 @@ fails the way a user's would).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scorer.config import Config, load_config
+from scorer.app import loop_factory
+from scorer.config import Config, ServerConfig, load_config
+
+# The event loop `kv-scorer serve` runs by default (`server.event_loop`): tests run on it.
+DEFAULT_LOOP = ServerConfig().event_loop
 
 LOOPBACK_SERVER: dict[str, Any] = {
     "host": "127.0.0.1",
@@ -40,3 +45,8 @@ def make_config(workers: Sequence[str | Mapping[str, Any]] = (), **sections: Any
         else:
             data[key] = value
     return load_config(overrides=data, environ={})
+
+
+def new_default_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the kind `kv-scorer serve` runs by default (tests' private loops)."""
+    return loop_factory(DEFAULT_LOOP)()

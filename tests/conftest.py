@@ -4,9 +4,10 @@
 - `transport`: the one parametrized fixture for `server.extproc_transport`; a test (or a
   fixture such as the ext_proc `harness` or the e2e `scorer`) that asks for it runs once
   per transport, asyncio and grpcio.
-- event loops: async tests in the modules of `BOTH_LOOPS` (the transport and Envoy paths)
-  run once per event loop, asyncio and uvloop (`server.event_loop`); every other test runs
-  on asyncio's.
+- event loops: every async test runs on the loop `kv-scorer serve` runs by default
+  (`server.event_loop`, uvloop: what users get); those in the modules of `BOTH_LOOPS` (the
+  data path through a real Envoy: plaintext, TLS, streamed response bodies) run on
+  asyncio's loop too.
 - `envoy` marker: put on every test that uses a fixture starting a real Envoy (found from
   the fixture's code), so `make test-quick` (`-m "not envoy and not slow"`) starts none.
   A test that starts Envoy itself carries the marker explicitly; one that forgets fails:
@@ -25,13 +26,15 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import pytest
-import uvloop
+from configs import DEFAULT_LOOP
 from hypothesis import HealthCheck, settings
 
 from kvscorer_tools.envoyrun import FORBID_ENVOY_ENV
+from scorer.app import loop_factory
 
 TRANSPORTS = ("asyncio", "grpcio")
-# Test modules whose async tests run on both event loops (pytest-asyncio loop factories).
+# Test modules whose async tests run on both event loops (pytest-asyncio loop factories);
+# every other async test runs on the default one.
 BOTH_LOOPS = ("test_e2e_envoy.py", "test_tls.py", "test_e2e_response_bodies.py")
 # What a fixture calls to run the Envoy binary (kvscorer_tools.envoyrun).
 _ENVOY_CALLS = ("EnvoyProcess(", "validate_config(")
@@ -68,10 +71,10 @@ def transport(request: pytest.FixtureRequest) -> str:
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    """asyncio and uvloop for the modules of `BOTH_LOOPS`, asyncio alone elsewhere."""
+    """asyncio and uvloop for the modules of `BOTH_LOOPS`, the default loop elsewhere."""
     if item.path.name in BOTH_LOOPS:
-        return {"asyncio_loop": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
-    return {"asyncio_loop": asyncio.new_event_loop}
+        return {"asyncio_loop": loop_factory("asyncio"), "uvloop": loop_factory("uvloop")}
+    return {DEFAULT_LOOP: loop_factory(DEFAULT_LOOP)}
 
 
 def _starts_envoy(func: Any) -> bool:

@@ -91,11 +91,11 @@ def test_policy_options_reach_the_policy() -> None:
     assert app.policy.options.fallbacks == 2  # type: ignore[attr-defined]
 
 
-def test_event_loop_is_validated_and_defaults_to_asyncio() -> None:
-    assert load_config(None).server.event_loop == "asyncio"
+def test_event_loop_is_validated_and_defaults_to_uvloop() -> None:
+    assert load_config(None).server.event_loop == "uvloop"
     assert (
-        load_config(None, overrides={"server": {"event_loop": "uvloop"}}).server.event_loop
-        == "uvloop"
+        load_config(None, overrides={"server": {"event_loop": "asyncio"}}).server.event_loop
+        == "asyncio"
     )
     with pytest.raises(ConfigError, match=r"server\.event_loop"):
         load_config(None, overrides={"server": {"event_loop": "trio"}})

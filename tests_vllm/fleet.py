@@ -21,7 +21,17 @@ from typing import Any
 
 import yaml
 
-from tests_vllm.procs import Proc, Procs, TierError, free_port, get_json, http, wait_until
+from kvscorer_tools.bench.procs import (
+    Proc,
+    ProcError,
+    ProcGroup,
+    free_port,
+    http_get,
+    http_post,
+    metric_sums,
+    scorer_ports,
+    wait_until,
+)
 from tests_vllm.workload import MODEL
 
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
@@ -125,53 +135,39 @@ class Worker:
             "VLLM_LOGGING_LEVEL": "INFO",
         }
 
-    def start(self, procs: Procs) -> None:
+    def start(self, procs: ProcGroup) -> None:
         self.starts += 1
         self.proc = procs.start(f"vllm{self.index}-{self.starts}", self.argv(), self.env())
 
     def wait_ready(self) -> None:
         assert self.proc is not None
         wait_until(
-            lambda: http("GET", self.url + "/health", timeout=2)[0] == 200,
+            lambda: http_get(self.url + "/health", timeout=2)[0] == 200,
             self.settings.start_timeout_s,
             f"vllm worker {self.index} /health",
             self.proc,
             1.0,
         )
 
-    def stop(self, procs: Procs) -> None:
+    def stop(self, procs: ProcGroup) -> None:
         if self.proc is not None:
             procs.stop(self.proc, grace_s=60.0)
             self.proc = None
 
     def counters(self) -> dict[str, float]:
         """vllm:prefix_cache_queries / hits (token counts) and request totals."""
-        status, body = http("GET", self.url + "/metrics", timeout=10)
+        status, body = http_get(self.url + "/metrics", timeout=10)
         if status != 200:
-            raise TierError(f"worker {self.index} /metrics: {status}")
+            raise ProcError(f"worker {self.index} /metrics: {status}")
         return metric_sums(
-            body.decode(),
+            body,
             ["vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens"],
         )
 
     def reset_cache(self) -> None:
-        status, body = http("POST", self.url + "/reset_prefix_cache", timeout=30)
+        status, body = http_post(self.url + "/reset_prefix_cache", timeout=30)
         if status != 200:
-            raise TierError(f"worker {self.index} reset_prefix_cache: {status} {body[:200]!r}")
-
-
-def metric_sums(text: str, names: list[str]) -> dict[str, float]:
-    """Sum of each counter over its label sets (`x` or `x_total`; never `x_created`)."""
-    want = {n: n for n in names} | {n + "_total": n for n in names}
-    out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        base = want.get(name)
-        if base is not None:
-            out[base] += float(line.rsplit(" ", 1)[1])
-    return out
+            raise ProcError(f"worker {self.index} reset_prefix_cache: {status} {body[:200]!r}")
 
 
 class Scorer:
@@ -219,7 +215,7 @@ class Scorer:
             "decisions": {"log_size": 5000},
         }
 
-    def start(self, procs: Procs, keep_port: bool = False) -> None:
+    def start(self, procs: ProcGroup, keep_port: bool = False) -> None:
         if not keep_port:
             self.extproc_port = 0
         self.out.mkdir(parents=True, exist_ok=True)
@@ -239,10 +235,10 @@ class Scorer:
             raise
 
     def _wait_started(self, proc: Proc) -> None:
-        ports = wait_until(lambda: _serving_ports(proc), 120.0, "kv-scorer start", proc)
-        self.extproc_port, self.admin_port = ports
+        ports = wait_until(lambda: scorer_ports(proc.log), 120.0, "kv-scorer start", proc)
+        self.extproc_port, _, self.admin_port = ports
         wait_until(
-            lambda: http("GET", self.admin + "/readyz", timeout=2)[0] == 200,
+            lambda: http_get(self.admin + "/readyz", timeout=2)[0] == 200,
             60.0,
             "kv-scorer /readyz",
             proc,
@@ -259,7 +255,7 @@ class Scorer:
     def admin(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    def stop(self, procs: Procs) -> None:
+    def stop(self, procs: ProcGroup) -> None:
         if self.proc is not None:
             procs.stop(self.proc, grace_s=20.0)
             self.proc = None
@@ -297,17 +293,6 @@ class Scorer:
             elif time.monotonic() - since >= quiet_s:
                 return
             time.sleep(0.1)
-
-
-def _serving_ports(proc: Proc) -> tuple[int, int] | None:
-    import re
-
-    try:
-        text = proc.log.read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r"kv-scorer serving ext_proc=\S+:(\d+) health=\S+:(\d+) admin=\S+:(\d+)", text)
-    return (int(m.group(1)), int(m.group(3))) if m else None
 
 
 # Each peer's launcher module and its name for the warning log level.
@@ -355,7 +340,7 @@ def peer_ready(base: str, workers: list[Worker]) -> bool:
     0.1.17 both list workers at GET /workers (`workers[].url`, `is_healthy`); vllm-router
     also at GET /list_workers (`urls`) — read off the running routers."""
     want = {w.url for w in workers}
-    status, body = http("GET", base + "/workers", timeout=2)
+    status, body = http_get(base + "/workers", timeout=2)
     if status == 200:
         try:
             doc = json.loads(body)
@@ -363,10 +348,26 @@ def peer_ready(base: str, workers: list[Worker]) -> bool:
             return want <= got
         except (ValueError, KeyError, TypeError, AttributeError):
             pass
-    status, body = http("GET", base + "/list_workers", timeout=2)
+    status, body = http_get(base + "/list_workers", timeout=2)
     if status == 200:
         try:
             return want <= set(json.loads(body).get("urls", []))
         except (ValueError, TypeError, AttributeError):
             return False
     return False
+
+
+def get_json(url: str, timeout: float = 10.0) -> Any:
+    """GET `url`'s JSON body; ProcError unless 200."""
+    status, body = http_get(url, timeout=timeout)
+    if status != 200:
+        raise ProcError(f"GET {url}: {status} {body[:200]!r}")
+    return json.loads(body)
+
+
+def post_json(url: str, body: Any, timeout: float = 60.0) -> Any:
+    """POST `body` as JSON, return the JSON answer; ProcError unless 200."""
+    status, raw = http_post(url, json.dumps(body).encode(), timeout=timeout)
+    if status != 200:
+        raise ProcError(f"POST {url}: {status} {raw[:300]!r}")
+    return json.loads(raw)

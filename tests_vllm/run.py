@@ -44,6 +44,7 @@ from typing import Any
 
 import aiohttp
 
+from kvscorer_tools.bench.procs import Proc, ProcError, ProcGroup, free_port, http_post, wait_until
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.envoyproc import render_envoy_config
 from tests_vllm.fleet import (
@@ -51,20 +52,12 @@ from tests_vllm.fleet import (
     Scorer,
     VllmSettings,
     Worker,
+    get_json,
     peer_argv,
     peer_ready,
+    post_json,
 )
 from tests_vllm.load import Result, run_conversations, send
-from tests_vllm.procs import (
-    Proc,
-    Procs,
-    TierError,
-    free_port,
-    get_json,
-    http,
-    post_json,
-    wait_until,
-)
 from tests_vllm.workload import MODEL, Conversation, conversations, parity_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +70,7 @@ class Tier:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.out: Path = args.out
-        self.procs = Procs(self.out / "logs")
+        self.procs = ProcGroup(self.out / "logs")
         self.vllm_python = Path(args.vllm_python)
         self.model_dir = self.out / "model"
         self.workers: list[Worker] = []
@@ -117,7 +110,7 @@ class Tier:
             timeout=600,
         )
         if proc.returncode != 0:
-            raise TierError(f"make_model failed:\n{proc.stderr[-3000:]}")
+            raise ProcError(f"make_model failed:\n{proc.stderr[-3000:]}")
         self.results["model"] = json.loads(proc.stdout.strip().splitlines()[-1])
         stamp_file.write_text(stamp)
 
@@ -238,7 +231,7 @@ class Tier:
                 listen,
             )
         finally:
-            self.procs.stop(listen)
+            self.procs.stop(listen, grace_s=30.0)
         events = lines()
         bad = listen.log.read_text(errors="replace").count("bad message")
         types = Counter(e["type"] for e in events)
@@ -302,7 +295,9 @@ class Tier:
         w = self.workers[0]
         rows = []
         for n, (name, kind, body) in enumerate(parity_corpus()):
-            st, raw0 = http("POST", sc.admin + f"/debug/tokenize?model={MODEL}", body)
+            st, raw0 = http_post(
+                sc.admin + f"/debug/tokenize?model={MODEL}", json.dumps(body).encode(), 60
+            )
             ours = json.loads(raw0)["token_ids"] if st == 200 else None
             cli_equal = None
             if n < 2:  # the CLI is the same code; two bodies show it is wired the same
@@ -313,11 +308,11 @@ class Tier:
                 )  # fmt: skip
                 cli_equal = cli.returncode == 0 and json.loads(cli.stdout) == ours
             tok_body = dict(body)
-            status, raw = http("POST", w.url + "/tokenize", tok_body, timeout=60)
+            status, raw = http_post(w.url + "/tokenize", json.dumps(tok_body).encode(), 60)
             theirs = json.loads(raw).get("tokens") if status == 200 else None
             gen = dict(body, max_tokens=1, return_token_ids=True)
             path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-            status2, raw2 = http("POST", w.url + path, gen, timeout=120)
+            status2, raw2 = http_post(w.url + path, json.dumps(gen).encode(), 120)
             fed = None
             if status2 == 200:
                 doc = json.loads(raw2)
@@ -528,8 +523,8 @@ class Tier:
                     peer,
                 )
                 return peer, base
-            except TierError:
-                self.procs.stop(peer)
+            except ProcError:
+                self.procs.stop(peer, grace_s=30.0)
                 if attempt == 2:
                     raise
                 self.log(f"  {name}: workers not registered; starting it again")
@@ -561,13 +556,13 @@ class Tier:
                             f"hit={r['hit_rate']:.3f} share={r['share']} ok={r['ok']}"
                             f"/{r['requests']} {r['wall_s']}s"
                         )
-            except TierError as e:
+            except ProcError as e:
                 out[name] = {"error": str(e)[-2000:], "runs": runs}
                 self.log(f"  {name}: {e}")
                 continue
             finally:
                 if peer is not None:
-                    self.procs.stop(peer)
+                    self.procs.stop(peer, grace_s=30.0)
             out[name] = {"runs": runs, **summary(runs)}
         self.stop_scorer()
         self.results["phases"]["routing"] = out
@@ -621,7 +616,7 @@ class Tier:
         rows = self._sequential(warm, "after-restart", settle_first=False)
         # How long the old engine's blocks stayed indexed after the worker was back.
         stale_s: float | None = 0.0 if stale_at_up == 0 else None
-        with contextlib.suppress(TierError):
+        with contextlib.suppress(ProcError):
             wait_until(
                 lambda: sc.blocks().get(victim.endpoint, 0) < stale_at_up or stale_at_up == 0,
                 60.0,
@@ -775,11 +770,11 @@ class Tier:
                     self.results["phases"].setdefault(ph, {})["traceback"] = tb
         except KeyboardInterrupt:
             self.check("interrupted", False, "Ctrl-C")
-        except TierError as e:
+        except ProcError as e:
             self.check("fleet started", False, str(e)[-3000:])
         finally:
             self.stop_scorer()
-            self.procs.stop_all()
+            self.procs.stop_all(grace_s=30.0)
         self.results["checks"] = self.checks
         self.results["elapsed_s"] = round(time.monotonic() - started, 1)
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))

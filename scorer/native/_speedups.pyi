@@ -52,3 +52,25 @@ def stored_events(
     keys_out: array[int],
     ekeys_out: array[int],
 ) -> tuple[int, int]: ...
+def load_columns(
+    candidates: Sequence[Any],
+    fresh_since: float,
+    wrb: float,
+    busy_w: float | None,
+    busy_k: float | None,
+    busy_i: int | None,
+    check: bool,
+) -> tuple[list[float], list[float], list[float], list[float], list[str | None] | None]: ...
+def decay_credit(pf: list[float], dc: list[float], rb: float, decay: float) -> list[float]: ...
+def cost_column(
+    pf: list[float],
+    dc: list[float],
+    credit: list[float],
+    weighted: list[float],
+    held: list[float],
+    rb: float,
+    pls: float,
+    dup: float,
+    best: float,
+) -> list[float]: ...
+def ids_u32_bytes(ids: list[int]) -> bytes: ...

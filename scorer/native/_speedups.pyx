@@ -16,10 +16,12 @@ Every function raises the same exception classes as the pure code on bad input
 """
 
 from cpython.array cimport array, clone
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.array cimport resize_smart
 from cpython.dict cimport PyDict_Size
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_FromUnsignedLongLong
+from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
@@ -992,3 +994,131 @@ def stored_events(list events, Py_ssize_t i, object stored_cls, object medium,
         total += n
         j += 1
     return j, total
+
+
+# -- The cost function's columns (scorer.policy.cost; its Python code is the reference) -----
+#
+# Each float operation is the reference's, in its order (C's + and * are left-associative as
+# Python's; the extension is built with -ffp-contract=off so no multiply-add is fused), so the
+# numbers are the same bits. Objects the reference passes through unchanged (an int count)
+# stay the same objects.
+
+cdef str _BUSY_WAITING = "busy_waiting"
+cdef str _BUSY_KV_USAGE = "busy_kv_usage"
+cdef str _BUSY_INFLIGHT = "busy_inflight"
+
+
+def load_columns(candidates, double fresh_since, double wrb, busy_w, busy_k, busy_i, bint check):
+    """`scorer.policy.cost.load_table`'s pass: (prefill, decode, waiting, kv_usage, busy)."""
+    cdef list pfs = [], dcs = [], wqs = [], kus = [], busys = []
+    cdef double x, at, wq_d, ku_d
+    cdef bint has_w = busy_w is not None, has_k = busy_k is not None, has_i = busy_i is not None
+    cdef double bw = busy_w if has_w else 0.0
+    cdef double bk = busy_k if has_k else 0.0
+    cdef object pf, dc, wq, ku, b, ngb
+    for w in candidates:
+        fl = w.inflight
+        sc = w.scraped
+        pf = fl.prefill_blocks
+        dc = fl.decode_blocks
+        b = None
+        at = sc.at
+        if at > 0.0 and at >= fresh_since:
+            wq = sc.waiting
+            ku = sc.kv_usage
+            wq_d = wq
+            ku_d = ku
+            x = wq_d * wrb
+            if x > <double>pf:
+                pf = x
+            ngb = sc.num_gpu_blocks
+            if ngb:
+                x = ku_d * <double>ngb
+                if x > <double>dc:
+                    dc = x
+            if has_w and wq_d >= bw:
+                b = _BUSY_WAITING
+            elif has_k and ku_d >= bk:
+                b = _BUSY_KV_USAGE
+        else:
+            wq = ku = 0.0
+        if b is None and has_i and fl.requests >= busy_i:
+            b = _BUSY_INFLIGHT
+        pfs.append(pf)
+        dcs.append(dc)
+        wqs.append(wq)
+        kus.append(ku)
+        busys.append(b)
+    return pfs, dcs, wqs, kus, (busys if check else None)
+
+
+def decay_credit(list pf, list dc, double rb, double decay):
+    """`dynamo_costs`' credit column: 1 / (1 + decay * (load - load_min) / unit), unit =
+    max(load_min, rb, 1.0), load = prefill + decode (1.0 at the least loaded)."""
+    cdef Py_ssize_t n = len(pf), k
+    if len(dc) != n:
+        raise ValueError("prefill and decode columns differ in length")
+    if n == 0:
+        raise ValueError("min() iterable argument is empty")
+    cdef double lm = <double>pf[0] + <double>dc[0], x, unit
+    for k in range(1, n):
+        x = <double>pf[k] + <double>dc[k]
+        if x < lm:
+            lm = x
+    unit = lm  # max(load_min, rb, 1.0), first maximal as Python's max
+    if rb > unit:
+        unit = rb
+    if 1.0 > unit:
+        unit = 1.0
+    cdef list out = [None] * n
+    cdef double one = 1.0
+    for k in range(n):
+        x = <double>pf[k] + <double>dc[k]
+        out[k] = one / (one + decay * (x - lm) / unit) if x > lm else one
+    return out
+
+
+def cost_column(list pf, list dc, list credit, list weighted, list held, double rb, double pls,
+                double dup, double best):
+    """`dynamo_costs`' cost column: pls * max(prefill + rb - credit * weighted, 0) + decode
+    + rb + dup * (best - held)."""
+    cdef Py_ssize_t n = len(pf), k
+    if len(dc) != n or len(credit) != n or len(weighted) != n or len(held) != n:
+        raise ValueError("cost columns differ in length")
+    cdef list out = [None] * n
+    cdef double p
+    for k in range(n):
+        p = <double>pf[k] + rb - <double>credit[k] * <double>weighted[k]
+        if not p > 0.0:
+            p = 0.0
+        out[k] = pls * p + <double>dc[k] + rb + dup * (best - <double>held[k])
+    return out
+
+
+# -- Token-id prompts (scorer.tokens.service.Tokenization._ids_bytes is the reference) -----
+
+def ids_u32_bytes(list ids):
+    """A JSON token-id list as little-endian uint32 bytes, in one pass: TypeError when any
+    item is not exactly an int (a bool, float or str is not a token id), else OverflowError
+    when any is outside [0, 2**32) — the reference's order of checks."""
+    cdef Py_ssize_t n = len(ids), i
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, 4 * n)
+    cdef char* buf = PyBytes_AS_STRING(out)
+    cdef long long x
+    cdef int ovf
+    cdef bint over = False
+    cdef uint32_t le
+    cdef object v
+    for i in range(n):
+        v = ids[i]
+        if type(v) is not int:
+            raise TypeError("token ids must be ints")
+        x = PyLong_AsLongLongAndOverflow(v, &ovf)
+        if ovf != 0 or x < 0 or x > <long long>U32MAX:
+            over = True
+            continue
+        le = kv_le32(<uint32_t>x)
+        memcpy(buf + 4 * i, &le, 4)
+    if over:
+        raise OverflowError("token id out of the uint32 range")
+    return out

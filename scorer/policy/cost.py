@@ -61,9 +61,15 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from scorer.native import NATIVE
 from scorer.policy.base import PolicyOptions
 from scorer.policy.parts import MatchLike
 from scorer.pool.workers import Worker
+
+# The compiled columns (scorer/native/_speedups.pyx: load_columns, decay_credit, cost_column)
+# when built, else None; the Python code below is their reference (tests/policy/
+# test_policy_cost_native.py compares both on random fleets, bit for bit).
+_NATIVE_COST = NATIVE if NATIVE is not None and hasattr(NATIVE, "cost_column") else None
 
 # Busy thresholds: the Gateway API Inference Extension's saturation detector defaults
 # (pkg/epp/saturationdetector/config.go: queue depth 5, KV cache utilisation 0.8).
@@ -190,13 +196,27 @@ def load_table(
     stale_after_s: float,
     waiting_request_blocks: float,
     busy: BusyOptions | None = None,
+    native: bool = True,
 ) -> LoadTable:
     """Combine the router's in-flight accounting with a fresh scrape (module doc) and, with
     `busy`, apply the busy rule in the same pass: fresh scraped waiting >= busy_waiting,
     else fresh scraped KV usage >= busy_kv_usage, else router in-flight >= busy_inflight.
 
-    The hot loop of every decision: flat lists and bound methods on purpose.
+    The hot loop of every decision: flat lists and bound methods on purpose; the compiled
+    `load_columns` runs the same pass when built (`native=False`: this code, the reference).
     """
+    if native and _NATIVE_COST is not None:
+        return LoadTable(
+            *_NATIVE_COST.load_columns(
+                candidates,
+                now - stale_after_s,
+                waiting_request_blocks,
+                None if busy is None else busy.busy_waiting,
+                None if busy is None else busy.busy_kv_usage,
+                None if busy is None else busy.busy_inflight,
+                busy is not None,
+            )
+        )
     pfs: list[float] = []
     dcs: list[float] = []
     wqs: list[float] = []
@@ -406,6 +426,7 @@ def dynamo_costs(
     opts: CostModelOptions,
     stale: Callable[[Worker], bool] | None = None,
     fleet: FleetInputs | None = None,
+    native: bool = True,
 ) -> CostTable:
     """THE cost function (module doc) of each eligible candidate, term by term.
 
@@ -417,8 +438,10 @@ def dynamo_costs(
     Evaluated a term at a time over all candidates (one list per term, no per-candidate
     objects): the per-decision constants are hoisted and each column is one C-driven
     comprehension. The order of the float operations is the formula's, so the costs are
-    the same bits as a candidate-at-a-time evaluation.
+    the same bits as a candidate-at-a-time evaluation. The credit and cost columns run
+    compiled when built (`native=False`: these comprehensions, the reference).
     """
+    nat = _NATIVE_COST if native else None
     rb = request_blocks
     n = len(eligible)
     pfs, dcs = table.prefill, table.decode
@@ -434,10 +457,12 @@ def dynamo_costs(
     any_match = bool(matches) and not matches.keys().isdisjoint(eps)
 
     # Credit: 1 / (1 + decay * excess), excess in "least-loaded loads".
-    load = list(map(add, pf, dc))
-    load_min = min(load)
     decay = opts.credit_decay
-    if decay > 0.0:
+    if decay > 0.0 and nat is not None:
+        credit = nat.decay_credit(pf, dc, rb, decay)
+    elif decay > 0.0:
+        load = list(map(add, pf, dc))
+        load_min = min(load)
         unit = max(load_min, rb, 1.0)
         credit = [
             1.0 / (1.0 + decay * (x - load_min) / unit) if x > load_min else 1.0 for x in load
@@ -492,10 +517,13 @@ def dynamo_costs(
     # Dynamo's cost, + the duplicate term (dup 0: + 0.0, the same float):
     #   prefill_load_scale * max(prefill + request - credit * weighted, 0) + decode + request.
     pls = opts.prefill_load_scale
-    out.costs = [
-        pls * (p if (p := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
-        for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
-    ]
+    if nat is not None:
+        out.costs = nat.cost_column(pf, dc, credit, weighted, held, rb, pls, dup, best)
+    else:
+        out.costs = [
+            pls * (p if (p := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
+            for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
+        ]
     if fleet is not None:
         _fleet_terms(out, dc, opts, fleet, dup)
     return out

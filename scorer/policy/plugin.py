@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
@@ -35,6 +36,8 @@ class PluginOptions(PolicyOptions):
 
 
 _EMPTY: Mapping[str, MatchLike] = {}
+# Worker.endpoint without the property call (one C-level getter over all candidates).
+_endpoint = attrgetter("config.endpoint")
 
 
 @dataclass(slots=True)
@@ -84,7 +87,7 @@ class Cycle:
         """The candidates' endpoints (parallel to `candidates`; built once)."""
         eps = self._endpoints
         if eps is None:
-            eps = self._endpoints = [w.endpoint for w in self.candidates]
+            eps = self._endpoints = list(map(_endpoint, self.candidates))
         return eps
 
     def matches(self, index: IndexLike | None) -> Mapping[str, MatchLike]:

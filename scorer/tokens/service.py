@@ -39,6 +39,7 @@ from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config, ConfigError
 from scorer.errors import json_error
 from scorer.histogram import LoopHistogram
+from scorer.native import NATIVE
 from scorer.routing import RoutingRequest
 from scorer.tokens.budget import BudgetExceeded
 from scorer.tokens.chat import ChatError, render_chat
@@ -72,6 +73,9 @@ TOKENIZE_OUTCOMES = Counter(
 )
 # Children resolved once (labels() takes a lock and builds a key per call).
 _OUTCOME = {o: TOKENIZE_OUTCOMES.labels(o) for o in ("ok", "no_tokenizer", "error", "over_budget")}
+# A token-id list's check and packing in one compiled pass (scorer/native/_speedups.pyx),
+# when built; `Tokenization._ids_bytes(native=False)` is the reference.
+_NATIVE_IDS = getattr(NATIVE, "ids_u32_bytes", None)
 
 
 # Text prompts are tokenized on the event loop when the work is estimated to cost at most
@@ -526,10 +530,19 @@ class Tokenization:
             f"{self.max_tokenize_bytes} for a text prompt (tokens.max_tokenize_bytes)"
         )
 
-    def _ids_bytes(self, ids: list[Any]) -> bytes:
+    def _ids_bytes(self, ids: list[Any], native: bool = True) -> bytes:
         if len(ids) > self.max_prompt_tokens:
             # Counted before any id is checked or hashed (cheap).
             raise PromptTooLarge(self._tokens_message(len(ids)))
+        if native and _NATIVE_IDS is not None and type(ids) is list:
+            # The same checks and bytes in one compiled pass (the code below is the
+            # reference; tests/tokens/test_ids_native.py compares both).
+            try:
+                return _NATIVE_IDS(ids)  # type: ignore[no-any-return]
+            except TypeError:
+                raise TokenizeError("token id prompts must be lists of integers") from None
+            except OverflowError:
+                raise TokenizeError("token ids must be in [0, 2**32)") from None
         # One C-level pass over the types (a per-id isinstance generator cost ~10x more);
         # JSON gives int, float, str, bool, ...: only int is a token id (bool is an int
         # subclass, so `type` and not `isinstance`).

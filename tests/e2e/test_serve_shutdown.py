@@ -1,4 +1,5 @@
-"""`kv-scorer serve` as a real subprocess: SIGTERM drains gracefully and exits 0."""
+"""`kv-scorer serve` as a real subprocess: SIGTERM drains gracefully and exits 0, on the
+default event loop (uvloop) and on asyncio's (`server.event_loop`)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,12 @@ def request_msgs() -> list[ep.ProcessingRequest]:
 
 
 @pytest.mark.slow
-async def test_sigterm_drains_then_exits_zero() -> None:
+@pytest.mark.parametrize("event_loop", ["default", "asyncio"])
+async def test_sigterm_drains_then_exits_zero(event_loop: str) -> None:
     env = dict(os.environ)
+    env.pop("KV_SCORER_SERVER__EVENT_LOOP", None)
+    if event_loop != "default":
+        env["KV_SCORER_SERVER__EVENT_LOOP"] = event_loop
     env["KV_SCORER_SERVER__DRAIN_DELAY_S"] = "2"  # wide: loaded CI machines
     env["KV_SCORER_SERVER__GRACE_PERIOD_S"] = "10"
     proc = await asyncio.create_subprocess_exec(
@@ -43,7 +48,8 @@ async def test_sigterm_drains_then_exits_zero() -> None:
     )  # fmt: skip
     assert proc.stderr is not None
     try:
-        xp, hp, ap = await serve_ports(proc.stderr, 20)
+        expect = "uvloop" if event_loop == "default" else event_loop
+        xp, hp, ap = await serve_ports(proc.stderr, 20, event_loop=expect)
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{xp}") as xch,
             grpc.aio.insecure_channel(f"127.0.0.1:{hp}") as hch,

@@ -15,6 +15,7 @@ import contextlib
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import h2.config
 import h2.connection
@@ -38,8 +39,8 @@ class RefProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A cast, not an isinstance check: uvloop's transports do not subclass asyncio's.
+        self.transport = cast(asyncio.Transport, transport)
         c = self.conn
         c.local_settings = h2.settings.Settings(
             client=False,

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from configs import new_default_loop
 from h2_reference import Outcome, drive, start_reference
 from hpack import Encoder
 from hypothesis import HealthCheck, example, given, settings
@@ -274,7 +275,7 @@ async def _pair(ports: tuple[int, int], payload: bytes) -> tuple[Outcome, Outcom
 @pytest.fixture(scope="module")
 def generated() -> Any:
     """Both servers on a private event loop (hypothesis drives sync test functions)."""
-    loop = asyncio.new_event_loop()
+    loop = new_default_loop()
 
     async def start() -> tuple[H2GrpcServer, asyncio.Server, tuple[int, int]]:
         ours = H2GrpcServer()

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from configs import make_config
+from configs import make_config, new_default_loop
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -248,7 +248,7 @@ def answers(data: bytes) -> tuple[list[tuple[int, int, int, bytes]], dict[int, i
 def rig() -> Iterator[tuple[asyncio.AbstractEventLoop, App, list[tuple[Any, ...]]]]:
     """One App (one worker: every answer is the same) on a private loop; its director's
     response hooks recorded."""
-    loop = asyncio.new_event_loop()
+    loop = new_default_loop()
     app = App(make_config(["127.0.0.1:7001"], extproc={"track_responses": True}))
     loop.run_until_complete(app.start())
     calls: list[tuple[Any, ...]] = []

@@ -215,7 +215,7 @@ async def test_pod_not_ready_under_load_gets_no_new_request(
 
     async def load() -> int:
         n = 0
-        while not stop.is_set():
+        while not stop.is_set() and n < 1_000_000:  # bounded even when the test fails early
             d = await director.decide(RoutingRequest(request_id=f"r{n}", model="m"))
             # What is Ready by the API's latest word at the moment of the decision.
             if d.endpoints and d.endpoints[0] not in ready:

@@ -25,6 +25,7 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["KUBECONFIG"] = str(kubeconfig(tmp_path / "kubeconfig", api.port))
     env.pop("KUBERNETES_SERVICE_HOST", None)
+    env.pop("KV_SCORER_SERVER__EVENT_LOOP", None)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "scorer.cli", "serve", "--pool-name", "vllm",
         "--pool-namespace", "llm", "--policy", "round_robin", "--host", "127.0.0.1",
@@ -33,7 +34,7 @@ async def test_serve_follows_the_inference_pool(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.stderr is not None
     try:
-        _, hp, ap = await serve_ports(proc.stderr, 30)
+        _, hp, ap = await serve_ports(proc.stderr, 30, event_loop="uvloop")  # the default
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{hp}") as hch,
             aiohttp.ClientSession() as http,

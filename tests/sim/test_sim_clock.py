@@ -68,3 +68,51 @@ def test_short_steps_keep_model_time(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_long_steps_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
     took, expected = run_one(monkeypatch, speed=1.0, tokens=5)
     assert expected <= took <= expected + 0.002
+
+
+def test_gauges_set_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step sets the gauges once (at its end, as vLLM logs its scheduler stats), and
+    what they say then is the engine's state after the step."""
+    clock = FakeClock()
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        clock.now += max(delay, 0.0)
+        await real_sleep(0)
+
+    monkeypatch.setattr(engine_mod.time, "monotonic", clock.monotonic)
+    monkeypatch.setattr(engine_mod.asyncio, "sleep", sleep)
+    seen: list[tuple[int, int, float]] = []
+
+    async def go() -> int:
+        metrics = SimMetrics("m", 16, 64, 0)
+        eng = Engine(
+            block_size=16, capacity_blocks=64, max_num_seqs=1, max_num_batched_tokens=8192,
+            max_model_len=4096, vocab_size=32000, timing=TimingModel(speed=1.0),
+            metrics=metrics, publisher=None, era="map", seed=0,
+        )  # fmt: skip
+        update = eng._update_gauges
+
+        def counted() -> None:
+            update()
+            seen.append((int(metrics.running._value.get()), int(metrics.waiting._value.get()),
+                         metrics.kv_usage._value.get()))  # fmt: skip
+
+        monkeypatch.setattr(eng, "_update_gauges", counted)
+        eng.start()
+        prompts = (list(range(32)), list(range(1000, 1032)))
+        reqs = [SimRequest(f"r{i}", p, 3, arrival=clock.now) for i, p in enumerate(prompts)]
+        for r in reqs:
+            eng.submit(r)
+        for r in reqs:
+            await asyncio.wait_for(r.done.wait(), 5.0)
+        await eng.stop()
+        return eng.steps
+
+    steps = asyncio.run(go())
+    assert steps == 6  # max_num_seqs 1: three steps each, one after the other
+    assert len(seen) == steps
+    # After each step: the first request runs its 3 steps while the second waits, then
+    # the second runs; a finished request is out of the batch and its blocks unpinned.
+    assert [(r, w) for r, w, _ in seen] == [(1, 1), (1, 1), (0, 1), (1, 0), (1, 0), (0, 0)]
+    assert seen[-1][2] == 0.0 and all(u > 0 for _, _, u in seen[:2])

@@ -54,10 +54,11 @@ async def _subscribe(ctx: zmq.asyncio.Context, w: SimWorker) -> tuple[zmq.asynci
     else:
         raise AssertionError("the subscription never reached the worker's PUB socket")
     base = w.publisher.next_seq  # probes published so far; every later one arrives
-    while True:
+    for _ in range(base + 1):  # at most every probe published so far, then the last one
         _, seq, _ = await _recv(sub)
         if seq == base - 1:
             return sub, base
+    raise AssertionError(f"probe {base - 1} never arrived")
 
 
 async def _recv(sub: zmq.asyncio.Socket) -> tuple[bytes, int, list[Any]]:

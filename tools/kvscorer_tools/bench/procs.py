@@ -2,7 +2,10 @@
 
 Every process is started in its own session with output to a log file under the run
 directory, and `ProcGroup.stop_all()` (SIGTERM, then SIGKILL after a grace period) ends
-exactly the processes this group started — by pid, never by name.
+exactly the processes this group started — by pid, never by name. A child's own children
+(vLLM's engine core) share its process group, which is its own: stopping a child also waits
+for that group to empty (they hold the ports) and kills what is left of it after the grace.
+Also used by the real-vLLM tier (tests_vllm).
 """
 
 from __future__ import annotations
@@ -118,11 +121,14 @@ class ProcGroup:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
         self._files: list[IO[bytes]] = []
+        self._starts: dict[str, int] = {}
 
     def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
-        """Start `argv` with stdout+stderr to LOG_DIR/NAME.log."""
+        """Start `argv` with stdout+stderr to LOG_DIR/NAME.log (NAME.N.log for the Nth start
+        of one name: a restarted process gets a fresh log, which readers parse)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
+        n = self._starts[name] = self._starts.get(name, 0) + 1
+        log = self.log_dir / (f"{name}.log" if n == 1 else f"{name}.{n}.log")
         f = log.open("wb")
         self._files.append(f)
         full_env = dict(os.environ)
@@ -150,17 +156,13 @@ class ProcGroup:
             pf.write(f"{pid} {name}\n")
 
     def stop(self, p: Proc, grace_s: float = 5.0) -> None:
-        """SIGTERM, wait up to `grace_s`, then SIGKILL (this pid only)."""
+        """SIGTERM, wait up to `grace_s`, then SIGKILL to its own process group; then wait
+        (up to `grace_s`) for the children it started to go too."""
         if p.alive():
             with contextlib.suppress(ProcessLookupError):
                 p.popen.send_signal(signal.SIGTERM)
-            try:
-                p.popen.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    p.popen.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.popen.wait(5.0)
+            self._wait(p, time.monotonic() + grace_s)
+        self._reap_group(p, time.monotonic() + grace_s)
         if p in self.procs:
             self.procs.remove(p)
 
@@ -172,19 +174,37 @@ class ProcGroup:
                     p.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in reversed(list(self.procs)):
-            left = max(deadline - time.monotonic(), 0.05)
-            try:
-                p.popen.wait(left)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    p.popen.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.popen.wait(5.0)
+            self._wait(p, deadline)
+        for p in reversed(list(self.procs)):
+            self._reap_group(p, deadline)
         self.procs.clear()
         for f in self._files:
             with contextlib.suppress(OSError):
                 f.close()
         self._files.clear()
+
+    @staticmethod
+    def _wait(p: Proc, deadline: float) -> None:
+        """Wait for `p` until `deadline`, then SIGKILL its process group (its own)."""
+        try:
+            p.popen.wait(max(deadline - time.monotonic(), 0.05))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(5.0)
+
+    @staticmethod
+    def _reap_group(p: Proc, deadline: float) -> None:
+        """Wait (bounded) until no process of `p`'s group is left; SIGKILL the rest."""
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(p.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def wait_until(

@@ -298,7 +298,8 @@ class Engine:
                 await self._wake.wait()
                 continue
             self.running.extend(admitted)
-            self._update_gauges()
+            # The gauges are set once per step, at its end (vLLM logs its scheduler stats
+            # after each step); a scrape in between refreshes them (probes._metrics).
             if not admitted and self.stream_interval > 1:
                 await self._decode_run(decoding)
                 continue

@@ -1,0 +1,151 @@
+"""The cost function's compiled columns (scorer/native/_speedups.pyx: load_columns,
+decay_credit, cost_column) against their Python reference in scorer.policy.cost: on random
+fleets the load table and every cost column are the same objects' types and the same bits
+(`repr` of a float round-trips), so decisions cannot differ."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypo import scaled
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from scorer.config import WorkerConfig
+from scorer.index.match import Match
+from scorer.native import NATIVE
+from scorer.policy.cost import BusyOptions, CostModelOptions, dynamo_costs, load_table
+from scorer.pool.inflight import WorkerLoad
+from scorer.pool.workers import Worker
+
+NOW = 1000.0
+STALE_AFTER = 5.0
+
+# Counts arrive as floats from the accounting, but an int must pass through unchanged too.
+_num = st.one_of(st.integers(0, 5000), st.floats(0.0, 5000.0, allow_nan=False))
+worker_st = st.fixed_dictionaries(
+    {
+        "prefill": _num,
+        "decode": _num,
+        "requests": st.integers(0, 12),
+        # None: never scraped; else the scrape's age (fresh, at the edge, stale).
+        "age": st.one_of(st.none(), st.sampled_from([0.0, STALE_AFTER]), st.floats(0.0, 50.0)),
+        "waiting": st.floats(0.0, 10.0),
+        "kv_usage": st.floats(0.0, 1.0),
+        "gpu_blocks": st.sampled_from([None, 0, 100, 8192]),
+        # Cached prefix: None, or (blocks, weighted overlap).
+        "match": st.one_of(st.none(), st.tuples(st.integers(0, 600), st.floats(0.0, 600.0))),
+        "stale": st.booleans(),
+        "eligible": st.booleans(),
+    }
+)
+options_st = st.fixed_dictionaries(
+    {
+        "prefill_load_scale": st.sampled_from([0.0, 1.0, 2.5, 10.0]),
+        "credit_decay": st.sampled_from([0.0, 0.05, 0.1, 1.0]),
+        "duplicate_cost": st.sampled_from([0.0, 0.5, 12.0]),
+        "stale_credit": st.sampled_from([0.5, 1.0]),
+    }
+)
+busy_st = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {
+            "busy_waiting": st.sampled_from([None, 3.0, 5]),
+            "busy_kv_usage": st.sampled_from([None, 0.5, 0.8]),
+            "busy_inflight": st.sampled_from([None, 1, 4]),
+        }
+    ),
+)
+
+
+def _workers(specs: list[dict[str, Any]]) -> list[Worker]:
+    out = []
+    for i, spec in enumerate(specs):
+        w = Worker(WorkerConfig(endpoint=f"10.0.0.{i + 1}:8000"), WorkerLoad())
+        w.inflight.prefill_blocks = spec["prefill"]
+        w.inflight.decode_blocks = spec["decode"]
+        w.inflight.requests = spec["requests"]
+        if spec["age"] is not None:
+            w.scraped.at = NOW - spec["age"]
+            w.scraped.waiting = spec["waiting"]
+            w.scraped.kv_usage = spec["kv_usage"]
+            w.scraped.num_gpu_blocks = spec["gpu_blocks"]
+        out.append(w)
+    return out
+
+
+def _same(a: list[Any] | None, b: list[Any] | None) -> None:
+    assert (a is None) == (b is None)
+    if a is not None and b is not None:
+        assert [(type(x), repr(x)) for x in a] == [(type(x), repr(x)) for x in b]
+
+
+_ONE = {
+    "prefill": 3,
+    "decode": 10.5,
+    "requests": 4,
+    "age": STALE_AFTER,
+    "waiting": 5.0,
+    "kv_usage": 0.8,
+    "gpu_blocks": 100,
+    "match": (4, 4.0),
+    "stale": True,
+    "eligible": True,
+}
+
+
+@settings(max_examples=scaled(200))
+@given(
+    specs=st.lists(worker_st, min_size=1, max_size=9),
+    options=options_st,
+    busy=busy_st,
+    wrb=st.sampled_from([1.0, 12.0, 512.0]),
+    rb=st.sampled_from([0.0, 1.0, 12.0, 512.0]),
+)
+@example(specs=[_ONE], options={}, busy={}, wrb=12.0, rb=12.0)
+@example(specs=[_ONE, {**_ONE, "age": None, "match": None}], options={}, busy=None, wrb=1.0, rb=0.0)
+def test_native_columns_are_the_reference_bits(
+    specs: list[dict[str, Any]],
+    options: dict[str, Any],
+    busy: dict[str, Any] | None,
+    wrb: float,
+    rb: float,
+) -> None:
+    workers = _workers(specs)
+    bo = None if busy is None else BusyOptions(**busy)
+    ref = load_table(workers, NOW, STALE_AFTER, wrb, bo, native=False)
+    nat = load_table(workers, NOW, STALE_AFTER, wrb, bo)
+    for col in ("prefill", "decode", "waiting", "kv_usage", "busy"):
+        _same(getattr(ref, col), getattr(nat, col))
+
+    eps = [w.endpoint for w in workers]
+    eligible = [i for i, s in enumerate(specs) if s["eligible"]] or list(range(len(specs)))
+    matches = {
+        eps[i]: Match(s["match"][0], {"GPU": s["match"][0]}, s["match"][1])
+        for i, s in enumerate(specs)
+        if s["match"] is not None
+    }
+    stale_of = {w.endpoint: s["stale"] for w, s in zip(workers, specs, strict=True)}
+
+    def stale(w: Worker) -> bool:
+        return stale_of[w.endpoint]
+
+    opts = CostModelOptions(**options)
+    a = dynamo_costs(workers, eps, eligible, ref, matches, rb, opts, stale, native=False)
+    b = dynamo_costs(workers, eps, eligible, ref, matches, rb, opts, stale)
+    for col in ("costs", "weighted", "credit", "held"):
+        _same(getattr(a, col), getattr(b, col))
+    assert (a.best_held, a.stale, a.stale_any) == (b.best_held, b.stale, b.stale_any)
+
+
+def test_native_columns_refuse_what_the_reference_refuses() -> None:
+    assert NATIVE is not None  # (tests/index/test_native.py says why when not)
+    # Columns of different lengths (zip(strict=True) in the reference), an empty fleet (min()).
+    with pytest.raises(ValueError):
+        NATIVE.decay_credit([1.0], [1.0, 2.0], 1.0, 0.1)
+    with pytest.raises(ValueError):
+        NATIVE.decay_credit([], [], 1.0, 0.1)
+    with pytest.raises(ValueError):
+        NATIVE.cost_column([1.0], [1.0], [1.0], [1.0], [], 1.0, 1.0, 0.0, 0.0)
