@@ -10,7 +10,8 @@ Paths, all in front of the same two `kv-scorer sim --speed 1000` workers (loopba
 * `envoy`: Envoy alone, round robin over both workers, no ext_proc (the `direct` listener
   of scorer.envoyproc.render_envoy_config);
 * `kv-scorer:<policy>:<shape>`: Envoy + `kv-scorer serve` for each shipped policy, with
-  `local` = the envoy/envoy.yaml shape (response bodies not sent to the scorer) or a
+  `local` = the envoy/envoy.yaml shape (lean: nothing of the response sent to the
+  scorer), `local-full` = envoy/envoy-full.yaml (response headers sent too), or a
   gateway shape (scorer.envoyproc.render_gateway_config: istio / envoy-ai-gateway /
   kgateway; response bodies FULL_DUPLEX_STREAMED, TLS to the scorer where the gateway
   uses it). Started with the e2e harness (kvscorer_tools.bench.e2e.ScorerRun);
@@ -60,7 +61,8 @@ from kvscorer_tools.bench.e2e.settings import MODEL  # noqa: E402
 from kvscorer_tools.bench.procs import ProcGroup, free_port  # noqa: E402
 from kvscorer_tools.envoyrun import EnvoyProcess  # noqa: E402
 
-SHAPES = ("local", "istio", "envoy-ai-gateway", "kgateway")
+SHAPES = ("local", "local-full", "istio", "envoy-ai-gateway", "kgateway")
+LOCAL_SHAPES = ("local", "local-full")
 PEERS = tuple(peer_mod.PEER_POLICIES)
 KINDS = ("ids", "text")
 PREFIXES, PREFIX_LEN, SUFFIX_LEN, VOCAB = 8, 256, 32, 4096
@@ -216,8 +218,9 @@ def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> I
             workers=len(fleet.specs),
             block_size=16,
             run_dir=run_dir / f"{policy}-{shape}",
-            gateway=None if shape == "local" else shape,
-            response_body_mode="NONE" if shape == "local" else "FULL_DUPLEX_STREAMED",
+            gateway=None if shape in LOCAL_SHAPES else shape,
+            response_body_mode="NONE" if shape in LOCAL_SHAPES else "FULL_DUPLEX_STREAMED",
+            response_headers=shape == "local-full",
         )
         run = TokenizerScorerRun(group, fleet, policy, settings)
         with run:

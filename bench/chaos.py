@@ -426,7 +426,9 @@ class Chaos:
             self.relays.append(r)
         self.write_config()
         self.scorer = self.start_scorer()
-        envoy_cfg = render_envoy_config(0, self.extproc_port, 0)
+        # envoy-full.yaml's shape: Envoy's 502/503 for a dead worker reach the health
+        # monitor as evidence (the lean envoy.yaml reports no status).
+        envoy_cfg = render_envoy_config(0, self.extproc_port, 0, response_headers=True)
         results: list[FaultResult] = []
         async with EnvoyProcess(envoy_cfg) as envoy:
             url = f"http://127.0.0.1:{envoy.listener_port}/v1/completions"

@@ -1,7 +1,7 @@
 """Where the time ext_proc adds goes, as Envoy itself measures it, per request phase.
 
     .venv/bin/python bench/profile_envoy_phases.py [--requests 400] [--policy kv]
-        [--shape local|istio|envoy-ai-gateway|kgateway] [--max-tokens 16]
+        [--shape local,local-full,istio,envoy-ai-gateway,kgateway] [--max-tokens 16]
 
 One Envoy with two listeners in front of the same two `kv-scorer sim` workers: `main`
 (ext_proc to `kv-scorer serve`, the shape asked for; started by the e2e harness) and
@@ -46,7 +46,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_extproc import Conn  # noqa: E402
-from bench_overhead import KINDS, TokenizerScorerRun, prompts, request_bytes  # noqa: E402
+from bench_overhead import (  # noqa: E402
+    KINDS,
+    LOCAL_SHAPES,
+    TokenizerScorerRun,
+    prompts,
+    request_bytes,
+)
 
 from kvscorer_tools.bench.e2e import E2ESettings, SimFleet  # noqa: E402
 from kvscorer_tools.bench.e2e import scorer as scorer_mod  # noqa: E402
@@ -168,6 +174,15 @@ async def drive(
         cd.close()
 
 
+def wait_for_lines(path: Path, n: int, timeout_s: float = 20.0) -> None:
+    """Until the access log at `path` has `n` lines, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.1)
+
+
 def read_log(path: Path, skip: int) -> list[dict[str, Any]]:
     rows = []
     for line in path.read_text().splitlines()[skip:]:
@@ -191,11 +206,62 @@ def median_of(rows: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(xs), 1) if xs else None
 
 
+def run_shape(
+    group: ProcGroup,
+    fleet: SimFleet,
+    args: argparse.Namespace,
+    shape: str,
+    scorer_dir: Path,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """One scorer + Envoy in `shape`, driven per prompt kind: {kind: {listener: medians}}."""
+    results: dict[str, Any] = {}
+    settings = E2ESettings(
+        workers=2,
+        block_size=16,
+        run_dir=scorer_dir,
+        gateway=None if shape in LOCAL_SHAPES else shape,
+        response_body_mode="NONE" if shape in LOCAL_SHAPES else "FULL_DUPLEX_STREAMED",
+        response_headers=shape == "local-full",
+    )
+    ids = prompts(64)
+    with TokenizerScorerRun(group, fleet, args.policy, settings) as run:
+        ports = run.envoy.listener_ports
+        main_port = next(p for n, p in ports.items() if n != "direct")
+        for kind in [k for k in args.kinds.split(",") if k in KINDS]:
+            reqs = [request_bytes(p, kind, args.max_tokens) for p in ids]
+            skip = {
+                n: len((log_dir / f"access-{n}.log").read_text().splitlines())
+                if (log_dir / f"access-{n}.log").exists()
+                else 0
+                for n in ("main", "direct")
+            }
+            lat = asyncio.run(drive(main_port, ports["direct"], reqs, args.requests))
+            for n in ("main", "direct"):
+                # 20 warm-up requests + the measured ones: wait for Envoy to flush them all
+                # (every second, later under load; a short log made empty medians).
+                wait_for_lines(log_dir / f"access-{n}.log", skip[n] + 20 + args.requests)
+            cell: dict[str, Any] = {}
+            for n in ("main", "direct"):
+                rows = read_log(log_dir / f"access-{n}.log", skip[n] + 20)
+                fields = [k for k, _ in POINTS] + (list(EXT_PROC_FIELDS) if n == "main" else [])
+                cell[n] = {k: median_of(rows, k) for k in fields}
+                cell[n]["client"] = round(statistics.median(lat[n]), 1)
+                cell[n]["requests"] = len(rows)
+            results[kind] = cell
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--requests", type=int, default=400, help="per listener and prompt kind")
     ap.add_argument("--policy", default="kv")
-    ap.add_argument("--shape", default="local")
+    ap.add_argument(
+        "--shape",
+        default="local",
+        help="comma list, run one after the other: local (lean envoy.yaml), local-full "
+        "(envoy-full.yaml: response headers sent), or a gateway shape",
+    )
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kinds", default="ids,text")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "envoy_phases.json"))
@@ -219,39 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         scorer_mod.envoy_config = lambda s, fl, port: with_access_logs(  # type: ignore[assignment]
             original(s, fl, port), log_dir, backends
         )
-        settings = E2ESettings(
-            workers=2,
-            block_size=16,
-            run_dir=run_dir / "scorer",
-            gateway=None if args.shape == "local" else args.shape,
-            response_body_mode="NONE" if args.shape == "local" else "FULL_DUPLEX_STREAMED",
-        )
-        ids = prompts(64)
-        with TokenizerScorerRun(group, fleet, args.policy, settings) as run:
-            ports = run.envoy.listener_ports
-            main_port = next(p for n, p in ports.items() if n != "direct")
-            for kind in [k for k in args.kinds.split(",") if k in KINDS]:
-                reqs = [request_bytes(p, kind, args.max_tokens) for p in ids]
-                skip = {
-                    n: len((log_dir / f"access-{n}.log").read_text().splitlines())
-                    if (log_dir / f"access-{n}.log").exists()
-                    else 0
-                    for n in ("main", "direct")
-                }
-                lat = asyncio.run(drive(main_port, ports["direct"], reqs, args.requests))
-                time.sleep(1.2)  # the file access log flushes every second
-                cell: dict[str, Any] = {}
-                for n in ("main", "direct"):
-                    rows = read_log(log_dir / f"access-{n}.log", skip[n] + 20)
-                    fields = [k for k, _ in POINTS] + (list(EXT_PROC_FIELDS) if n == "main" else [])
-                    cell[n] = {k: median_of(rows, k) for k in fields}
-                    cell[n]["client"] = round(statistics.median(lat[n]), 1)
-                    cell[n]["requests"] = len(rows)
-                results[kind] = cell
+        for shape in args.shape.split(","):
+            results[shape] = run_shape(
+                group, fleet, args, shape, run_dir / f"scorer-{shape}", log_dir
+            )
     finally:
         group.stop_all()
-    for kind, cell in results.items():
-        print(f"\n{kind} prompts, {args.policy} / {args.shape}, c=1, medians in µs")
+    for shape, kind, cell in ((sh, k, c) for sh, r in results.items() for k, c in r.items()):
+        print(f"\n{kind} prompts, {args.policy} / {shape}, c=1, medians in µs")
         keys = [k for k, _ in POINTS] + ["client"]
         print(f"{'':>10}" + "".join(f"{k:>11}" for k in keys))
         for n in ("direct", "main"):

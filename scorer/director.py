@@ -10,7 +10,10 @@ the replay benchmark. Nothing else admits, refuses, decides or counts a request 
         them, in a thread pool; 413 past the prompt budget) ─▶ policy.decide ─▶ record
         (decision log + metrics, once) ─▶ in flight (unless dry run)
     response started (status, served endpoint) ─▶ prefill over, the status the client got
-    response ended / reset ─▶ in flight released, completion hooks called
+        (never called with the lean envoy/envoy.yaml: Envoy skips the response headers)
+    response ended / reset ─▶ in flight released, completion hooks called (the lean
+        shape's only response signal: the ext_proc stream's end, when Envoy's HTTP
+        stream is over; docs/envoy.md "The lean shape")
 
 Refusals carry their status from `scorer.routing.REFUSAL_STATUS` and their body in the one
 OpenAI error shape (`scorer.errors`).

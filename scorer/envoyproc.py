@@ -3,7 +3,8 @@
     yaml_text = render_envoy_config(listener_port=0, extproc_port=9002, admin_port=0)
 
 `render_envoy_config()` with the default ports produces the same structure as
-`envoy/envoy.yaml` (a test checks it); `mode="header"` matches `envoy/envoy-header.yaml`.
+`envoy/envoy.yaml` (a test checks it); `mode="header"` matches `envoy/envoy-header.yaml`
+and `response_headers=True` matches `envoy/envoy-full.yaml`.
 Ports may be 0 (Envoy binds free ports). Starting an Envoy for tests, the demo and the
 benchmarks is tooling: `kvscorer_tools.envoyrun.EnvoyProcess` (tools/, not in the runtime).
 """
@@ -142,13 +143,22 @@ def render_envoy_config(
     extra_http_filters: Sequence[dict[str, Any]] = (),
     fail_open_endpoint: str | None = None,
     response_body_mode: Literal["NONE", "STREAMED", "BUFFERED", "FULL_DUPLEX_STREAMED"] = "NONE",
+    response_headers: bool = False,
 ) -> str:
     """An Envoy bootstrap (YAML) equivalent to envoy/envoy.yaml, with run-time ports.
 
     mode: where the ORIGINAL_DST cluster reads the endpoint: `envoy.lb` dynamic metadata
     (the inference extension's way) or the `x-gateway-destination-endpoint` header.
-    track_responses: send response headers to the scorer (in-flight accounting); off, the
-    scorer closes the stream after routing and Envoy skips the response path.
+    track_responses: keep the ext_proc stream open until the response ends (in-flight
+    accounting: the director ends the request when the stream ends); off, the scorer
+    closes the stream after routing and Envoy skips the response path.
+    response_headers: also send the response headers to the scorer (`envoy-full.yaml`):
+    the director then learns the status (502/503 = health evidence, error metrics) and the
+    served endpoint, at the cost of one more round trip Envoy waits on before the client
+    gets its first byte. Off (the default, `envoy.yaml`: "lean") the response path sends
+    nothing; the stream's end is still the request's end (docs/envoy.md). Response bodies
+    (`response_body_mode` other than NONE) always come with their headers: the director
+    reads the content type to parse usage.
     direct_backends: add a listener `direct` (port `direct_port`) that round-robins straight
     to these `ip:port` backends without ext_proc (the benchmark's baseline).
     extra_http_filters: HTTP filters placed before ext_proc (tests use header_to_metadata
@@ -161,6 +171,7 @@ def render_envoy_config(
     response_body_mode: how response bodies go to the scorer (the gateways use
     FULL_DUPLEX_STREAMED: usage is read from them, every chunk answered at once).
     """
+    follow_headers = track_responses and (response_headers or response_body_mode != "NONE")
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -172,14 +183,16 @@ def render_envoy_config(
             "allow_mode_override": True,
             "processing_mode": {
                 "request_header_mode": "SEND",  # must be SEND: routing starts on headers
-                "response_header_mode": "SEND" if track_responses else "SKIP",
+                "response_header_mode": "SEND" if follow_headers else "SKIP",
                 "request_body_mode": body_mode,
                 "response_body_mode": response_body_mode if track_responses else "NONE",
                 # FULL_DUPLEX_STREAMED requires trailer mode SEND.
                 "request_trailer_mode": "SEND" if body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
                 # SEND keeps the stream open until the response ends (trailers may still
-                # come), so the scorer sees the end of each request; Envoy sends no message
-                # when the response has no trailers.
+                # come): Envoy closes it when the HTTP stream is destroyed, which is the
+                # end of each request for the scorer; Envoy sends no message when the
+                # response has no trailers. SKIP here (with the rest skipped) closes it
+                # right after the routing answer (measured, Envoy 1.40).
                 "response_trailer_mode": "SEND" if track_responses else "SKIP",
             },
             # Without envoy.lb here Envoy drops our metadata and ORIGINAL_DST finds no host.

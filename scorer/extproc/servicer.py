@@ -12,10 +12,13 @@ State machine per stream (Envoy ext_proc v3, processing modes set in envoy/envoy
                      ─▶ body back in chunks ≤ 62,000 bytes (end_of_stream on the last)
                      ─▶ trailers response when the request had trailers
 
-    then, with extproc.track_responses: response_headers ─▶ director.response_started;
-    stream end ─▶ director.response_ended (also on error / cancel). Without it the stream
-    is closed right after the routing answer (Envoy then continues the request without
-    further calls; see docs/envoy.md "track_responses").
+    then, with extproc.track_responses: response_headers ─▶ director.response_started
+    (envoy-full.yaml and the gateways; the lean envoy.yaml sends none: Envoy does not wait
+    on us for the response); stream end ─▶ director.response_ended (also on error /
+    cancel): Envoy closes the stream when the HTTP stream is over, which in the lean shape
+    is the only response signal and is enough for in-flight accounting. Without
+    track_responses the stream is closed right after the routing answer (Envoy then
+    continues the request without further calls; see docs/envoy.md "track_responses").
 
 Everything about the request itself (admission, refusal, decision, in-flight accounting)
 is scorer.director's; this module translates. Refusals become ImmediateResponses with the

@@ -3,9 +3,10 @@
 Two simulated vLLM workers (kvscorer_tools.sim, in process: HTTP API, prefix cache, vLLM-format
 KV events over ZMQ, vLLM metrics) and a third pool entry whose port is closed (a worker
 that died before the scorer started: no events, no metrics, only failed requests reveal
-it). The scorer runs in process with the `kv` policy; Envoy in front is envoy/envoy.yaml
-rendered with run-time ports. Outcomes only, no timing: which requests failed, which
-worker served the rest, what /debug/pool says, what the index still holds.
+it). The scorer runs in process with the `kv` policy; Envoy in front is
+envoy/envoy-full.yaml rendered with run-time ports. Outcomes only, no timing: which
+requests failed, which worker served the rest, what /debug/pool says, what the index
+still holds.
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         )
         app = App(config)
         await app.start()
-        cfg = render_envoy_config(0, app.extproc_port, 0)
+        # envoy/envoy-full.yaml's shape: the ghost (no metrics, no events) is only revealed
+        # by the 503s Envoy answers for it, which the lean envoy.yaml does not report.
+        cfg = render_envoy_config(0, app.extproc_port, 0, response_headers=True)
         async with EnvoyProcess(cfg) as envoy:
             yield Stack(sims, ports, ghost, app, envoy)
     finally:

@@ -47,7 +47,7 @@ def envoy_config(settings: E2ESettings, fleet: SimFleet, extproc_port: int) -> s
     from scorer.envoyproc import render_envoy_config, render_gateway_config
 
     if settings.gateway is None:
-        return render_envoy_config(0, extproc_port, 0)
+        return render_envoy_config(0, extproc_port, 0, response_headers=settings.response_headers)
     return render_gateway_config(
         settings.gateway,  # type: ignore[arg-type]
         [s.endpoint for s in fleet.specs],

@@ -50,6 +50,9 @@ class E2ESettings:
     gateway: str | None = None
     # Response bodies sent to the scorer (the gateways send FULL_DUPLEX_STREAMED).
     response_body_mode: str = "NONE"
+    # Local shape only: send the response headers too (envoy/envoy-full.yaml) instead of
+    # the lean envoy/envoy.yaml.
+    response_headers: bool = False
     # Each sim logs its requests (`kv-scorer sim --request-log`) and each policy's entry
     # gets the TTFT breakdown per leg and per worker (breakdown.py).
     request_log: bool = True
