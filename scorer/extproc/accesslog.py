@@ -11,7 +11,8 @@ Each entry names the endpoint we routed to (the `envoy.lb` metadata the scorer s
 `x-gateway-destination-endpoint`, forwarded by the access log's common properties; the
 upstream address Envoy tried when that is missing) and its status; a 502/503 is reported
 as `request_failed` evidence (scorer.pool.health confirms it with a probe, as for a
-followed response).
+followed response: an entry from anyone who can reach the ext_proc port costs one probe
+and cannot eject a worker that answers it).
 """
 
 from __future__ import annotations
