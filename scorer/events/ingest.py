@@ -68,7 +68,8 @@ class EventIngest:
 
     def _pool_changed(self, change: PoolChange) -> None:
         """Added: purge leftovers, subscribe. Removed: close its subscription first (no
-        event of the old pod applies after this), then drop its index entries."""
+        event of the old pod applies after this), then drop its index entries and free its
+        index slots (pods come and go: slots stay as many as the live workers)."""
         ep = change.worker.endpoint
         sub = self.subscribers.pop(ep, None)
         if sub is not None:
@@ -76,10 +77,11 @@ class EventIngest:
             task = asyncio.get_running_loop().create_task(sub.stop())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
-        self.index.purge(ep)
         if change.change == "removed":
+            self.index.release(ep)
             self.applier.stats.pop(ep, None)
             return
+        self.index.purge(ep)
         events = change.worker.config.events
         if self._context is not None and events is not None and events.mode != "pool":
             sub = Subscriber(

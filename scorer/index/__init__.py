@@ -2,7 +2,9 @@
 
 Layout (built for 64+ workers and millions of blocks):
 
-* every (endpoint, dp_rank) gets a *slot*: one bit in a python-int bitmask;
+* every (endpoint, dp_rank) gets a *slot*: one bit in a python-int bitmask (freed when the
+  worker leaves the pool and reused by the next new one, so masks stay as wide as the
+  live workers);
 * one dict per medium (GPU, CPU, DISK): our block key → bitmask of the slots holding it
   (a single holder's mask is the slot's one shared bit object; equal multi-holder masks
   share one object too, up to a bounded cache, so masks cost ~no memory per block);

@@ -89,8 +89,8 @@ class BlockIndex:
         return (endpoint, rank or 0) in self._slots
 
     def ranks(self, endpoint: str) -> int:
-        """How many slots (dp ranks) an endpoint has. Slots are never freed (their bit may
-        still be in stored masks), so callers bound new ranks per worker (events config)."""
+        """How many slots (dp ranks) an endpoint has. A slot lives until its worker is
+        released, so callers bound new ranks per worker (events config)."""
         return self._table.ep_slots.get(endpoint, 0)
 
     def lookup_engine(self, endpoint: str, rank: int | None, ekey: int) -> int | None:
@@ -135,7 +135,8 @@ class BlockIndex:
             # Some blocks are held by other workers too: add our bit to those masks.
             canon = self._masks
             for k, m in held:
-                if not m & bit:
+                # (a key twice in one add: its second mask is stale, re-read it then)
+                if not m & bit and not (m := d[k]) & bit:
                     m |= bit
                     # Equal masks share one int object (memory: one per block otherwise).
                     d[k] = canon.get(m) or canon.canon(m)
@@ -208,12 +209,43 @@ class BlockIndex:
             self._drop_keys(s, list(s.emap.values()))
             s.emap.clear()
             self._specs.drop(s)
+            if any(s.counts.values()):
+                self._sweep(s)
+
+    def _sweep(self, s: Slot) -> None:
+        """Drop slot `s`'s bit from every entry of the media it still counts entries on.
+
+        Only blocks no engine key leads to any more are left after `clear` (an engine key
+        sent again for another block): rare, so this O(entries) scan is too."""
+        bit = 1 << s.bit
+        canon = self._masks
+        for medium in MEDIA:
+            if not s.counts[medium]:
+                continue
+            d = self._media[medium]
+            for k in [k for k, m in d.items() if m & bit]:
+                m = d[k] ^ bit
+                if m:
+                    d[k] = canon.get(m) or canon.canon(m)
+                else:
+                    del d[k]
+            s.counts[medium] = 0
 
     def purge(self, endpoint: str) -> None:
-        """Forget everything about a worker (restart, unrecoverable gap, removal)."""
+        """Forget everything about a worker (restart, unrecoverable gap)."""
         self.clear(endpoint)
         for s in self._table.of(endpoint):
             s.purges += 1
+
+    def release(self, endpoint: str) -> None:
+        """The worker left the pool: forget it and free its slots' bits for new workers
+        (no entry keeps one, so a worker reusing it inherits nothing)."""
+        self.clear(endpoint)
+        gone = self._table.release(endpoint)
+        if gone:
+            # Canonical masks naming a released bit are dead: free their cache places.
+            freed = sum(1 << s.bit for s in gone)
+            self._masks.drop_bits(freed)
 
     # ---- speculative entries -----------------------------------------------------------
 

@@ -84,3 +84,8 @@ class MaskCache(dict[int, int]):
         if len(self) < MASK_CACHE:
             self[mask] = mask
         return mask
+
+    def drop_bits(self, bits_mask: int) -> None:
+        """Forget the masks that have any of `bits_mask`'s bits (released slots)."""
+        for m in [m for m in self if m & bits_mask]:
+            del self[m]

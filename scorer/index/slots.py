@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -60,8 +61,10 @@ class Slot:
 class SlotTable:
     """(endpoint, rank) → Slot, bit → Slot, endpoint → mask of its slots' bits.
 
-    Bits are never reused: a slot stays allocated (empty after a purge) so masks stored
-    in the index never point at another worker."""
+    A purged slot stays allocated (empty). A released slot (its worker left the pool) frees
+    its bit, which the next new slot takes (the lowest free bit first), so masks stay as
+    wide as the live workers however many came and went. The index clears a slot's bit
+    from every entry before releasing it: a reused bit never names another worker's block."""
 
     def __init__(self, emap_factory: Callable[[], EngineMapLike] = PyEngineMap) -> None:
         self.emap_factory = emap_factory
@@ -73,6 +76,7 @@ class SlotTable:
         self.ep_slots: dict[str, int] = {}  # endpoint → number of its slots (dp ranks)
         self.all_mask = 0
         self.ranked = False  # True once an endpoint has a second slot (dp rank)
+        self.free: list[int] = []  # released bits (a heap: the lowest is reused first)
 
     def get(self, endpoint: str, rank: int | None) -> Slot | None:
         """The slot of (endpoint, rank), or None."""
@@ -83,18 +87,39 @@ class SlotTable:
         key = (endpoint, rank or 0)
         s = self.slots.get(key)
         if s is None:
-            bit = len(self.by_bit)
-            s = Slot(endpoint, rank or 0, bit, self.emap_factory())
+            if self.free:
+                bit = heapq.heappop(self.free)
+                s = Slot(endpoint, rank or 0, bit, self.emap_factory())
+                self.by_bit[bit] = s
+                self.bit_ep[bit] = endpoint
+            else:
+                bit = len(self.by_bit)
+                s = Slot(endpoint, rank or 0, bit, self.emap_factory())
+                self.by_bit.append(s)
+                self.bit_ep.append(endpoint)
+                self.bit_obj.append(1 << bit)
             self.slots[key] = s
-            self.by_bit.append(s)
-            self.bit_ep.append(endpoint)
             if endpoint in self.ep_mask:
                 self.ranked = True
-            self.bit_obj.append(1 << bit)
             self.ep_mask[endpoint] = self.ep_mask.get(endpoint, 0) | (1 << bit)
             self.ep_slots[endpoint] = self.ep_slots.get(endpoint, 0) + 1
             self.all_mask |= 1 << bit
         return s
+
+    def release(self, endpoint: str) -> list[Slot]:
+        """Free every slot of `endpoint` (the caller has cleared their bits from every
+        entry); returns them. Their bits go to the free list."""
+        gone = self.of(endpoint)
+        for s in gone:
+            del self.slots[s.endpoint, s.rank]
+            self.bit_ep[s.bit] = ""  # no entry holds it; `by_bit` keeps the empty slot
+            s.emap = PyEngineMap()  # (for queued speculative expiries) without its memory
+            self.all_mask &= ~(1 << s.bit)
+            heapq.heappush(self.free, s.bit)
+        if gone:
+            del self.ep_mask[endpoint]
+            del self.ep_slots[endpoint]
+        return gone
 
     def of(self, endpoint: str) -> list[Slot]:
         """Every slot (rank) of one endpoint."""

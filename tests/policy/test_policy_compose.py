@@ -154,7 +154,8 @@ def test_stale_stream_gets_reduced_credit_until_it_recovers() -> None:
     k = keys(10)
     hold(s.index, endpoint(0), k)
     s.pool.workers[endpoint(0)].inflight.decode_blocks = 6  # warm worker a bit loaded
-    d = pol.decide(request(k), list(s.pool))
+    # Routed there with 2 blocks it does not hold: it must store (and announce) them.
+    d = pol.decide(request(k + keys(2, base=7000)), list(s.pool))
     assert d.endpoint == endpoint(0) and d.reason is Reason.KV_HIT and not d.notes
     # Silence: routed there at t, no event since; 40 s later (> events.stale_after_s 30).
     clock.t += 40

@@ -259,6 +259,15 @@ class DynamoCost(Scorer):
             if keys:
                 self.approx.insert(ep, keys)
             return
+        matched = 0
+        if keys is not None:
+            m = cycle.matches(self.index()).get(ep)
+            matched = 0 if m is None else m.blocks
+            if len(keys) <= matched:
+                # Every full block is cached there (or none is full): the engine stores
+                # nothing new, so it publishes no BlockStored; its silence then says
+                # nothing about its stream. (Untokenized requests count as new work.)
+                return
         events = self.ctx.parts.events
         if events is not None:
             try:
@@ -269,10 +278,8 @@ class DynamoCost(Scorer):
             if seen is None or seen[0] != last:
                 self._routed_since[ep] = (last, self.clock())
         if self.options.speculative and keys:
-            m = cycle.matches(self.index()).get(ep)
-            matched = 0 if m is None else m.blocks
             idx = self.index()
-            if idx is not None and len(keys) > matched:
+            if idx is not None:
                 idx.insert_speculative(ep, keys[matched:])
 
     def _record_life(self, cycle: Cycle, w: Worker, keys: list[int]) -> None:

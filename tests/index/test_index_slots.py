@@ -1,0 +1,218 @@
+"""Worker churn: a removed worker's slot is released, its bits leave every entry, and a
+worker that reuses the slot (bit) inherits none of its blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypo import scaled
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from scorer.blocks import BlockHasher
+from scorer.config import Config
+from scorer.events.ingest import EventIngest
+from scorer.index import MEDIA, BlockIndex
+from scorer.pool import Pool
+
+KEYS = BlockHasher(4).keys(list(range(4 * 12)))
+NATIVE = pytest.mark.parametrize("native", [False, True], ids=["py", "native"])
+
+
+def _bits_held(idx: BlockIndex) -> dict[int, int]:
+    """Slot bit → entries whose mask has it, over every medium and speculative entry."""
+    out: dict[int, int] = {}
+    for d in [*(idx._media[m] for m in MEDIA), idx._spec]:
+        for m in d.values():
+            while m:
+                low = m & -m
+                b = low.bit_length() - 1
+                out[b] = out.get(b, 0) + 1
+                m ^= low
+    return out
+
+
+def _check_bits(idx: BlockIndex) -> None:
+    """Every bit in a stored mask belongs to a live slot, whose counts are exact."""
+    table = idx._table
+    live = {s.bit: s for s in table.slots.values()}
+    held = _bits_held(idx)
+    assert set(held) <= set(live), "an entry carries the bit of a released slot"
+    for b, s in live.items():
+        stored = sum(1 for m in MEDIA for mask in idx._media[m].values() if mask >> b & 1)
+        assert stored == sum(s.counts.values()), (s.endpoint, s.rank)
+    assert table.all_mask == sum(1 << b for b in live)
+
+
+@NATIVE
+def test_churn_reuses_slots(native: bool) -> None:
+    # A rolling update replaces every pod many times over: slots stay as many as the live
+    # workers, not the workers ever seen.
+    idx = BlockIndex(native=native)
+    idx.add("stable", 0, range(12), KEYS)
+    for i in range(3000):
+        ep = f"10.0.{i // 250}.{i % 250}:8000"
+        idx.add(ep, 0, range(6), KEYS[:6])
+        idx.insert_speculative(ep, KEYS[6:])
+        assert set(idx.match(KEYS)) == {"stable", ep}
+        idx.release(ep)
+    assert len(idx._table.by_bit) == 2
+    assert idx.endpoints() == ["stable"] and idx.ranks("10.0.0.0:8000") == 0
+    assert idx.total_entries() == 12 and not idx._spec
+    assert len(idx._masks) <= 2  # canonical masks of released bits were dropped
+    _check_bits(idx)
+
+
+@NATIVE
+def test_reused_slot_inherits_no_block(native: bool) -> None:
+    idx = BlockIndex(native=native)
+    idx.add("old", 0, [1, 2], KEYS[:2])
+    idx.add("old", 0, [1], [KEYS[5]])  # engine key 1 now names another block
+    idx.add("old", 1, [7], [KEYS[7]], "CPU")
+    idx.add("peer", 0, range(4), KEYS[:4])
+    old_bits = {s.bit for s in idx._table.of("old")}
+    idx.release("old")
+    idx.add("new", 0, [9], [KEYS[9]])
+    assert idx._table.slots["new", 0].bit in old_bits
+    for k in (KEYS[0], KEYS[1], KEYS[5], KEYS[7]):
+        assert "new" not in idx.match([k]) and "old" not in idx.match([k])
+    assert idx.match(KEYS[:4])["peer"].blocks == 4
+    assert idx.stats("new")["blocks"] == {"GPU": 1, "CPU": 0, "DISK": 0}
+    _check_bits(idx)
+
+
+@NATIVE
+def test_purge_forgets_a_block_whose_engine_key_was_reused(native: bool) -> None:
+    # An engine key re-sent for another block leaves the first block unreachable from the
+    # engine map; purge (forget everything) must still forget it.
+    idx = BlockIndex(native=native)
+    idx.add("a", 0, [1], [KEYS[0]])
+    idx.add("a", 0, [1], [KEYS[1]])
+    idx.purge("a")
+    assert idx.match([KEYS[0]]) == {} and idx.total_entries() == 0
+    _check_bits(idx)
+
+
+async def test_a_worker_removed_from_the_pool_releases_its_slot() -> None:
+    config = Config.model_validate(
+        {"pool": {"workers": [{"endpoint": "10.0.0.1:8000"}, {"endpoint": "10.0.0.2:8000"}]}}
+    )
+    pool = Pool.from_config(config)
+    idx = BlockIndex(config.index)
+    EventIngest(config, pool, idx, BlockHasher(4))
+    template = pool.workers["10.0.0.2:8000"].config
+    for n in range(50):  # rolling updates: a new pod per round, the old one removed
+        ep = f"10.0.1.{n}:8000"
+        pool.add(template.model_copy(update={"endpoint": ep}))
+        idx.add(ep, 0, range(3), KEYS[:3])
+        old = f"10.0.1.{n - 1}:8000" if n else "10.0.0.2:8000"
+        idx.add(old, 0, range(3), KEYS[:3])
+        pool.remove(old, "deleted")
+        assert set(idx.match(KEYS[:3])) == {ep}
+    assert len(idx._table.by_bit) <= 3
+    assert set(idx.endpoints()) == {"10.0.1.49:8000"}  # 10.0.0.1 never stored a block
+    _check_bits(idx)
+
+
+# ---- property: release then reuse, against the same index without the released worker ----
+
+_EPS = ["a", "b", "c"]
+# (endpoint, rank, medium, [(engine key, block position)]): few engine keys, so an engine
+# key is often sent again for another block.
+_add = st.tuples(
+    st.just("add"),
+    st.sampled_from(_EPS),
+    st.integers(0, 1),
+    st.sampled_from(MEDIA),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(KEYS) - 1)), max_size=6),
+)
+_remove = st.tuples(
+    st.just("remove"),
+    st.sampled_from(_EPS),
+    st.integers(0, 1),
+    st.sampled_from(MEDIA),
+    st.lists(st.integers(0, 5), max_size=4),
+)
+_spec = st.tuples(st.just("spec"), st.sampled_from(_EPS), st.integers(1, len(KEYS)))
+_clear = st.tuples(st.just("clear"), st.sampled_from(_EPS), st.integers(0, 1))
+_op = st.one_of(_add, _remove, _spec, _clear)
+
+
+def _apply(idx: BlockIndex, ops: list[tuple[Any, ...]], skip: str | None = None) -> None:
+    for op in ops:
+        if op[1] == skip:
+            continue
+        if op[0] == "add":
+            _, ep, rank, medium, pairs = op
+            idx.add(ep, rank, [e for e, _ in pairs], [KEYS[p] for _, p in pairs], medium)
+        elif op[0] == "remove":
+            _, ep, rank, medium, ekeys = op
+            idx.remove(ep, rank, ekeys, medium)
+        elif op[0] == "spec":
+            idx.insert_speculative(op[1], KEYS[: op[2]])
+        else:
+            idx.clear(op[1], op[2])
+
+
+def _view(idx: BlockIndex, prompt: list[int]) -> dict[str, tuple[int, dict[str, int]]]:
+    return {ep: (m.blocks, dict(m.by_medium)) for ep, m in idx.match(prompt).items()}
+
+
+@NATIVE
+@settings(max_examples=scaled(200))
+@given(
+    st.lists(_op, max_size=12),
+    st.sampled_from(_EPS),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(KEYS) - 1)), max_size=5),
+    st.integers(1, len(KEYS)),
+)
+@example(  # an engine key re-sent for another block, then the worker is released
+    ops=[("add", "a", 0, "GPU", [(0, 0)]), ("add", "a", 0, "GPU", [(0, 1)])],
+    victim="a",
+    new=[],
+    plen=2,
+)
+@example(  # the same block added twice in one event, held by another worker too
+    ops=[("add", "b", 0, "GPU", [(1, 0)]), ("add", "a", 0, "GPU", [(0, 0), (2, 0)])],
+    victim="a",
+    new=[(3, 0)],
+    plen=1,
+)
+@example(  # a live worker adds a block twice in one event, another holds it too
+    ops=[("add", "a", 0, "GPU", [(1, 0)]), ("add", "b", 0, "GPU", [(0, 0), (2, 0)])],
+    victim="c",
+    new=[],
+    plen=1,
+)
+@example(  # a speculative entry of the released worker, then one of the new worker
+    ops=[("spec", "a", 3), ("add", "b", 1, "CPU", [(0, 0)])],
+    victim="a",
+    new=[],
+    plen=3,
+)
+def test_release_then_reuse_equals_never_having_had_the_worker(
+    native: bool,
+    ops: list[tuple[Any, ...]],
+    victim: str,
+    new: list[tuple[int, int]],
+    plen: int,
+) -> None:
+    idx = BlockIndex(native=native)
+    _apply(idx, ops)
+    victim_bits = {s.bit for s in idx._table.of(victim)}
+    idx.release(victim)
+    idx.add("new", 0, [e for e, _ in new], [KEYS[p] for _, p in new])
+    if victim_bits and new:
+        assert idx._table.slots["new", 0].bit in victim_bits  # the released bit is reused
+    # The same history without the released worker, then the new one: same answers.
+    ref = BlockIndex(native=native)
+    _apply(ref, ops, skip=victim)
+    ref.add("new", 0, [e for e, _ in new], [KEYS[p] for _, p in new])
+    prompt = KEYS[:plen]
+    assert _view(idx, prompt) == _view(ref, prompt)
+    for ep in [*_EPS, "new"]:
+        assert idx.stats(ep)["blocks"] == ref.stats(ep)["blocks"], ep
+    assert idx.total_entries() == ref.total_entries()
+    _check_bits(idx)
+    assert len(idx._table.by_bit) <= len(ref._table.by_bit) + len(victim_bits)
