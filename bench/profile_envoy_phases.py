@@ -136,7 +136,10 @@ def with_access_logs(config_yaml: str, log_dir: Path, direct_backends: list[str]
             }
         for chain in lst["filter_chains"]:
             hcm = chain["filters"][0]["typed_config"]
+            # main keeps the shape's own logs (the lean envoy.yaml's upstream failure log).
+            kept = hcm.get("access_log", []) if name != "direct" else []
             hcm["access_log"] = [
+                *kept,
                 {
                     "name": "envoy.access_loggers.file",
                     "typed_config": {
@@ -146,7 +149,7 @@ def with_access_logs(config_yaml: str, log_dir: Path, direct_backends: list[str]
                         ),
                         "log_format": {"json_format": fmt},
                     },
-                }
+                },
             ]
     return yaml.safe_dump(cfg, sort_keys=False)
 

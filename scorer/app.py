@@ -40,6 +40,7 @@ from scorer.api.v1.scorer_pb2 import ScoreRequest
 from scorer.config import Config, ConfigError, load_config
 from scorer.decisions import DecisionLog
 from scorer.director import Director, RequestPreparer
+from scorer.extproc import accesslog
 from scorer.extproc.servicer import ExtProcServicer
 from scorer.extproc.servicer import add_to_h2_server as add_extproc_h2
 from scorer.extproc.servicer import add_to_server as add_extproc
@@ -170,6 +171,8 @@ class App:
         )
         self._ready_task: asyncio.Task[None] | None = None
         self.extproc = ExtProcServicer(config, self.director)
+        # The lean envoy.yaml logs upstream failures here (health evidence).
+        self.failure_log = accesslog.UpstreamFailureLog(self.pool)
         self.scorer = ScorerService(self.director, self.parts.hasher)
         # The inference extension's request families, once per finished request.
         self.director.completion_hooks.append(observe_completion)
@@ -225,6 +228,7 @@ class App:
             # only on the health port).
             self.extproc_h2 = H2GrpcServer(max_message=_MAX_MESSAGE)
             add_extproc_h2(self.extproc, self.extproc_h2)
+            accesslog.add_to_h2_server(self.failure_log, self.extproc_h2)
             self.extproc_h2.add_handler(
                 "/scorer.v1.Scorer/Score", unary(self.scorer_rpc.Score), ScoreRequest.FromString
             )
@@ -244,6 +248,7 @@ class App:
         else:
             self.extproc_server = grpc.aio.server(options=opts)
             add_extproc(self.extproc, self.extproc_server)
+            accesslog.add_to_server(self.failure_log, self.extproc_server)
             add_scorer(self.scorer_rpc, self.extproc_server)
             self.health.add_to_server(self.extproc_server)
             addr = f"{s.host}:{s.extproc_port}"
@@ -320,6 +325,7 @@ class App:
         # Streams only waiting for their response's end are closed with OK now; streams
         # still in their request phase get the grace period to be answered.
         released = self.extproc.release_streams()
+        self.failure_log.release()
         if released:
             log.warning("released %d streams waiting for their response to end", released)
         if self.extproc_server is not None:

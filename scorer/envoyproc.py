@@ -26,6 +26,34 @@ _HCM = (
 )
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_GRPC_ACCESS_LOG = (
+    "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig"
+)
+# Envoy's response flags for a request whose upstream failed under it (its access-log
+# docs, "Response flags"): connection failure, connection termination, remote reset,
+# retries exhausted. Envoy answers these itself, 503 (or 502).
+UPSTREAM_FAILURE_FLAGS = ("UF", "UC", "UR", "URX")
+
+
+def upstream_failure_log(cluster: str = "kv_scorer") -> dict[str, Any]:
+    """An HCM access log that sends only requests whose upstream failed to the scorer's
+    AccessLogService (scorer.extproc.accesslog): the lean shape's health evidence. No
+    batching (`buffer_size_bytes: 0`): each failure is sent when it is logged."""
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "filter": {"response_flag_filter": {"flags": list(UPSTREAM_FAILURE_FLAGS)}},
+        "typed_config": {
+            "@type": _GRPC_ACCESS_LOG,
+            "common_config": {
+                "log_name": "kv-scorer-upstream-failures",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": cluster}},
+                "buffer_size_bytes": 0,
+            },
+        },
+    }
+
+
 _HEADER_TO_METADATA = (
     "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config"
 )
@@ -245,6 +273,11 @@ def render_envoy_config(
             [*filters, ext_proc],
         )
     ]
+    if track_responses and not follow_headers:
+        # Lean: the response status never reaches ext_proc; the requests whose upstream
+        # failed reach the scorer through the access log instead (health evidence).
+        hcm = listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["access_log"] = [upstream_failure_log()]
     clusters: list[dict[str, Any]] = [
         {
             "name": "original_destination_cluster",

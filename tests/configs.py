@@ -9,11 +9,13 @@ fails the way a user's would).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, TypeVar
 
 from scorer.app import loop_factory
 from scorer.config import Config, ServerConfig, load_config
+
+T = TypeVar("T")
 
 # The event loop `kv-scorer serve` runs by default (`server.event_loop`): tests run on it.
 DEFAULT_LOOP = ServerConfig().event_loop
@@ -50,3 +52,9 @@ def make_config(workers: Sequence[str | Mapping[str, Any]] = (), **sections: Any
 def new_default_loop() -> asyncio.AbstractEventLoop:
     """A new event loop of the kind `kv-scorer serve` runs by default (tests' private loops)."""
     return loop_factory(DEFAULT_LOOP)()
+
+
+def run_on_default_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on the default event loop (sync tests that drive a coroutine)."""
+    with asyncio.Runner(loop_factory=loop_factory(DEFAULT_LOOP)) as runner:
+        return runner.run(coro)

@@ -6,7 +6,8 @@ Evidence is what other parts saw fail on the worker itself, reported through
 
 - `request_failed`: Envoy answered 502/503 for a request routed to it (its local reply when
   the upstream connection is refused or reset before headers) — the director's completion
-  hook (`HealthMonitor.on_completion`);
+  hook (`HealthMonitor.on_completion`), or, with the lean envoy.yaml (response headers not
+  sent), Envoy's access log of upstream failures (scorer.extproc.accesslog);
 - `metrics_refused`: its metrics endpoint refused or reset the TCP connection (a slow or
   timed-out scrape is NOT evidence: a scrape outage of the whole fleet ejects nobody) —
   scorer.pool.scrape;

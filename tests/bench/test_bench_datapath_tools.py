@@ -48,8 +48,11 @@ def test_phases_config_adds_a_direct_listener_and_access_logs(tmp_path: Path) ->
     route = hcm("direct")["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     assert route["cluster"] == "bench_direct"
     # Both log Envoy's timestamps; only `main` the ext_proc filter's call latencies.
+    # `main` keeps the lean shape's upstream-failure log first; `direct` logs only times.
+    assert hcm("main")["access_log"][0]["name"] == "envoy.access_loggers.http_grpc"
+    assert len(hcm("direct")["access_log"]) == 1
     for name in ("main", "direct"):
-        (log,) = hcm(name)["access_log"]
+        log = hcm(name)["access_log"][-1]
         fmt = log["typed_config"]["log_format"]["json_format"]
         assert fmt["us_tx"] == "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%"
         assert log["typed_config"]["path"] == str(tmp_path / f"access-{name}.log")

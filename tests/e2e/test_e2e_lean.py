@@ -6,7 +6,8 @@ closes the ext_proc stream when the HTTP stream ends (done, client gone, upstrea
 failed), which is where the director ends the request. These tests hold the in-flight
 count to zero after every kind of end, and the routing (decisions, the headers the
 worker gets, the answer the client gets) identical between the two shapes. What the
-lean shape gives up is the response status: asserted too, so the docs stay true.
+lean shape gives up is the response status: asserted too, so the docs stay true; the
+upstream failures come back through Envoy's access log (health evidence).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import pytest
 import pytest_asyncio
 from configs import make_config
 from e2e_helpers import Backend, closed_port
+from prometheus_client import REGISTRY
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
 from scorer.director import Completion
 from scorer.envoyproc import render_envoy_config
+from scorer.pool.health import HealthMonitor
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 BODY = json.dumps({"model": "m", "prompt": "hello"}).encode()
@@ -165,5 +168,51 @@ async def test_upstream_failure_ends_the_request(backends: list[Backend]) -> Non
         by_endpoint = [(c.endpoint, c.status) for c in done]
         assert sorted(by_endpoint[:2], key=str) == sorted([(dead, None), (live.endpoint, None)])
         assert sorted(by_endpoint[2:], key=str) == sorted([(dead, 503), (live.endpoint, 200)])
+    finally:
+        await app.stop()
+
+
+async def test_lean_upstream_failure_is_health_evidence(
+    backends: list[Backend], transport: str
+) -> None:
+    """Lean: the response status never reaches ext_proc, but Envoy's access log sends the
+    requests whose upstream failed (response flags UF/UC/UR/URX) to the scorer, which
+    reports them as `request_failed` evidence: a dead worker without metrics or events is
+    still ejected (what envoy-full.yaml learns from the response headers)."""
+    dead = f"127.0.0.1:{closed_port()}"
+    live = backends[0]
+    app = App(make_config([dead, live.endpoint], server={"extproc_transport": transport}))
+    await app.start()
+    try:
+        before = REGISTRY.get_sample_value(
+            "kv_scorer_upstream_failure_logs_total", {"outcome": "reported"}
+        )
+        cfg = render_envoy_config(0, app.extproc_port, 0)
+        async with EnvoyProcess(cfg) as e, aiohttp.ClientSession() as s:
+            got = []
+            for _ in range(2):  # round robin: one of them goes to the dead worker
+                async with s.post(
+                    f"http://127.0.0.1:{e.listener_port}/v1/completions", data=BODY
+                ) as r:
+                    await r.read()
+                    got.append(r.status)
+            assert sorted(got) == [200, 503]
+            h = app.health_monitor
+            assert isinstance(h, HealthMonitor)
+            w = app.pool.get(dead)
+            assert w is not None
+            assert await h.wait_until(lambda: not w.healthy, 10)
+            assert w.health.reason == "request_failed"
+            # The live worker serves everything from now on.
+            for _ in range(2):
+                async with s.post(
+                    f"http://127.0.0.1:{e.listener_port}/v1/completions", data=BODY
+                ) as r:
+                    assert r.status == 200
+        after = REGISTRY.get_sample_value(
+            "kv_scorer_upstream_failure_logs_total", {"outcome": "reported"}
+        )
+        assert (after or 0) - (before or 0) == 1
+        assert len(app.pool.inflight) == 0
     finally:
         await app.stop()

@@ -4,10 +4,10 @@ generated tokens; the request ends at end of stream."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
+from configs import run_on_default_loop
 
 from scorer.config import load_config
 from scorer.director import Director
@@ -42,7 +42,7 @@ def director() -> tuple[Director, Clock]:
 def route(d: Director, rid: str, stream: bool) -> None:
     body = json.dumps({"model": "m", "prompt": "x" * 640, "stream": stream}).encode()
     req = d.new_request({"x-request-id": rid})
-    dec = asyncio.run(d.request_received(req, body))
+    dec = run_on_default_loop(d.request_received(req, body))
     assert dec.endpoints == [EP]
 
 

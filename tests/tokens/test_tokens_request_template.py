@@ -3,13 +3,13 @@ event loop within a time and an output budget. Heavy prompts never run on the lo
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from configs import run_on_default_loop
 from prometheus_client import REGISTRY
 from tokens_helpers import QWEN3, make_tokens
 
@@ -118,7 +118,7 @@ def _loop_thread_ids(tokens: Tokenization, body: dict[str, Any], prompt_tokens: 
     try:
         req = RoutingRequest(request_id="t", model="qwen3", body=body)
         req.prompt_tokens = prompt_tokens
-        asyncio.run(tokens.prepare(req))
+        run_on_default_loop(tokens.prepare(req))
         assert req.token_ids is not None or req.tokenize_error is not None
     finally:
         del tokens.prepare_sync

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from configs import make_config
+from configs import make_config, run_on_default_loop
 from tokens_helpers import HEADERS, QWEN3, hf, local, make_tokens
 
 from scorer.blocks import BlockHasher, namespace_key
@@ -420,7 +420,7 @@ def test_text_prompts_go_inline_by_measured_cost(monkeypatch: pytest.MonkeyPatch
         try:
             req = RoutingRequest(request_id="t", model="qwen3", body=body)
             req.body_bytes = len(str(body))
-            asyncio.run(t.prepare(req))
+            run_on_default_loop(t.prepare(req))
             assert req.token_ids is not None
         finally:
             del t.prepare_sync
