@@ -180,6 +180,8 @@ class BlockIndex:
                 del emap[ek]
         if removed:
             s.counts[medium] -= removed
+            if medium == "GPU":
+                s.removed += removed
         return removed, unknown
 
     def _unset(self, d: dict[int, int], keys: Iterable[int], bit: int) -> int:
@@ -308,9 +310,15 @@ class BlockIndex:
             "engine_hashes": engine,
             "speculative": spec,
             "evictions": evictions,
+            "removed": sum(s.removed for s in self._table.of(endpoint)),
             "purges": purges,
             "ranks": sorted(ranks),
         }
+
+    def removed_total(self, endpoint: str) -> int:
+        """GPU blocks `endpoint`'s engine reported removed (BlockRemoved) since start: its
+        eviction count (the block-life term reads its rate)."""
+        return sum(s.removed for s in self._table.of(endpoint))
 
     def entries(self, medium: str) -> int:
         """Stored (block, worker) entries on one medium."""
