@@ -180,26 +180,30 @@ class BlockIndex:
                 del emap[ek]
         if removed:
             s.counts[medium] -= removed
+            if medium == "GPU":
+                s.removed += removed
         return removed, unknown
+
+    def _unset(self, d: dict[int, int], keys: Iterable[int], bit: int) -> int:
+        """Take `bit` out of the masks of `keys` in medium dict `d`; returns how many had it."""
+        canon = self._masks
+        n = 0
+        for k in keys:
+            m = d.get(k, 0)
+            if m & bit:
+                m ^= bit
+                if m:
+                    d[k] = canon.get(m) or canon.canon(m)
+                else:
+                    del d[k]
+                n += 1
+        return n
 
     def _drop_keys(self, s: Slot, keys: Sequence[int]) -> None:
         bit = 1 << s.bit
-        canon = self._masks
         for medium in MEDIA:
-            if not s.counts[medium]:
-                continue
-            d = self._media[medium]
-            n = 0
-            for k in keys:
-                m = d.get(k, 0)
-                if m & bit:
-                    m ^= bit
-                    if m:
-                        d[k] = canon.get(m) or canon.canon(m)
-                    else:
-                        del d[k]
-                    n += 1
-            s.counts[medium] -= n
+            if s.counts[medium]:
+                s.counts[medium] -= self._unset(self._media[medium], keys, bit)
 
     def clear(self, endpoint: str, rank: int | None = None) -> None:
         """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is None."""
@@ -218,18 +222,11 @@ class BlockIndex:
         Only blocks no engine key leads to any more are left after `clear` (an engine key
         sent again for another block): rare, so this O(entries) scan is too."""
         bit = 1 << s.bit
-        canon = self._masks
         for medium in MEDIA:
-            if not s.counts[medium]:
-                continue
-            d = self._media[medium]
-            for k in [k for k, m in d.items() if m & bit]:
-                m = d[k] ^ bit
-                if m:
-                    d[k] = canon.get(m) or canon.canon(m)
-                else:
-                    del d[k]
-            s.counts[medium] = 0
+            if s.counts[medium]:
+                d = self._media[medium]
+                self._unset(d, [k for k, m in d.items() if m & bit], bit)
+                s.counts[medium] = 0
 
     def purge(self, endpoint: str) -> None:
         """Forget everything about a worker (restart, unrecoverable gap)."""
@@ -313,9 +310,15 @@ class BlockIndex:
             "engine_hashes": engine,
             "speculative": spec,
             "evictions": evictions,
+            "removed": sum(s.removed for s in self._table.of(endpoint)),
             "purges": purges,
             "ranks": sorted(ranks),
         }
+
+    def removed_total(self, endpoint: str) -> int:
+        """GPU blocks `endpoint`'s engine reported removed (BlockRemoved) since start: its
+        eviction count (the block-life term reads its rate)."""
+        return sum(s.removed for s in self._table.of(endpoint))
 
     def entries(self, medium: str) -> int:
         """Stored (block, worker) entries on one medium."""

@@ -56,6 +56,9 @@ class Slot:
     spec: dict[int, float] = field(default_factory=dict)  # our key → expiry (monotonic)
     evictions: int = 0
     purges: int = 0
+    # GPU blocks the engine reported removed (BlockRemoved, applied): its eviction count,
+    # read by the block-life term (scorer.policy.fleet.CacheLife).
+    removed: int = 0
 
 
 class SlotTable:

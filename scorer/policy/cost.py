@@ -121,6 +121,10 @@ class CostModelOptions(PolicyOptions):
     # Expected block life (module doc, "Block life"): a cached chain about to be evicted
     # is worth less. Off: every cached block counts fully.
     block_life: bool = False
+    # Where a worker's eviction rate comes from: "events" (the GPU blocks its BlockRemoved
+    # events removed, counted by the index; falls back to "routed" without an event-fed
+    # index) or "routed" (the blocks this router wrote there while its cache was full).
+    life_rate: Literal["events", "routed"] = "events"
     # Time constant (s) of the smoothed per-worker eviction rate.
     life_window_s: float = Field(60.0, gt=0)
     # A chain is worth its full credit while more than this fraction of the worker's
@@ -129,6 +133,10 @@ class CostModelOptions(PolicyOptions):
     # Conversation continuity: the previous turn's worker is kept unless another costs
     # less than (1 - continuity) x its cost. 0: off.
     continuity: float = Field(0.0, ge=0, lt=1)
+    # Continuity only while the previous turn's worker holds blocks of the prompt no other
+    # eligible worker holds (the conversation's own context; module doc, "Continuity"):
+    # a turn whose cached prefix is all shared (a system prompt) is placed on cost alone.
+    continuity_own_blocks: bool = False
     # Without a session id, the previous turn's worker is the one with the longest cached
     # prefix when that covers at least this fraction of the prompt.
     continuity_min_match: float = Field(0.5, ge=0, le=1)
@@ -269,8 +277,11 @@ class FleetInputs:
     prefill_line: tuple[float, float, float, float]
     ms_per_block: float
     block_size: int
-    life: dict[int, tuple[float, float | None, float | None]]
+    life: dict[int, tuple[float, float | None, float | None, float]]
     previous: int | None = None
+    # Blocks the previous turn's worker holds beyond every other eligible candidate (when
+    # continuity_own_blocks computed them; 0 there: no discount); None: not computed.
+    own: int | None = None
     # Live session weight per eligible candidate (parallel to eligible) when the request
     # opens a new session and session_spread is on; else None.
     sessions: list[float] | None = None
@@ -293,7 +304,13 @@ class CandidateTerms:
     life_factor: float = 1.0
     block_life_s: float | None = None
     chain_age_s: float | None = None
+    # The worker's smoothed eviction rate (blocks/s) the block life came from (None: the
+    # block-life term did not apply).
+    evictions_per_s: float | None = None
     previous_turn: bool = False
+    # (continuity_own_blocks) the previous turn's worker: blocks of the prompt it holds
+    # beyond every other candidate; None elsewhere or when not computed.
+    own_blocks: int | None = None
     # session_spread's input: the candidate's live session weight (None: not applied).
     live_sessions: float | None = None
     left_for_balance: bool = False  # the session left this worker (session_rebalance)
@@ -305,7 +322,11 @@ class CandidateTerms:
             "life_factor": round(self.life_factor, 3),
             "block_life_s": None if self.block_life_s is None else round(self.block_life_s, 1),
             "chain_age_s": None if self.chain_age_s is None else round(self.chain_age_s, 1),
+            "evictions_per_s": (
+                None if self.evictions_per_s is None else round(self.evictions_per_s, 2)
+            ),
             "previous_turn": self.previous_turn,
+            "own_blocks": self.own_blocks,
             "live_sessions": None if self.live_sessions is None else round(self.live_sessions, 1),
             "left_for_balance": self.left_for_balance,
         }
@@ -384,12 +405,14 @@ class CostTable:
         else:
             ttft = fleet.ttft_ms((self.prefill[k] + self.uncached(k)) * fleet.block_size)
         t = CandidateTerms(predicted_ttft_ms=ttft, previous_turn=i == self.previous)
+        if fleet.own is not None and i == fleet.previous:
+            t.own_blocks = fleet.own
         if fleet.sessions is not None:
             t.live_sessions = fleet.sessions[k]
         t.left_for_balance = i == fleet.left
         got = fleet.life.get(i)
         if got is not None:
-            t.life_factor, t.block_life_s, t.chain_age_s = got
+            t.life_factor, t.block_life_s, t.chain_age_s, t.evictions_per_s = got
         return t
 
 
@@ -537,7 +560,7 @@ def _fleet_terms(
         k = out.position(left)
         if k is not None and len(costs) > 1:
             costs[k] += max(costs) + 1.0
-    elif prev is not None and c > 0.0:
+    elif prev is not None and c > 0.0 and fleet.own != 0:
         k = out.position(prev)
         if k is not None:
             costs[k] *= 1.0 - c

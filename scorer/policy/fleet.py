@@ -13,11 +13,19 @@ so it is evicted when that reaches the capacity:
 
     life_s = capacity_blocks / eviction_rate        remaining_s = life_s - age
 
-`eviction_rate` is the smoothed rate of blocks this router wrote to the worker (the
-uncached blocks of the requests it sent there: exactly the blocks the engine stores, and,
-once the cache is full, removes as many of) while the worker's cache is full (the index
-holds at least `full_fraction` of its capacity), as an exponentially weighted rate with
-time constant `window_s`. Until the cache fills the rate is 0 and blocks live forever.
+`eviction_rate` is an exponentially weighted rate (time constant `window_s`) of either
+(`rate_from`):
+
+* `events`: the GPU blocks the worker's own `BlockRemoved` events removed (the index
+  counts them per worker as it applies them: `BlockIndex.removed_total`), sampled at each
+  decision that reads the worker's life; every router's traffic and the engine's real
+  evictions count, nothing is assumed about fullness;
+* `routed` (no event stream: `approx`): the blocks this router wrote to the worker (the
+  uncached blocks of the requests it sent there: exactly the blocks the engine stores,
+  and, once the cache is full, removes as many of) while the worker's cache is full (the
+  index holds at least `full_fraction` of its capacity).
+
+Until the worker evicts the rate is 0 and blocks live forever.
 
 Coarse chain ages. For each worker, the time this router last routed a request through
 a block is remembered at every `stride`-th block of the request and at its last block
@@ -45,7 +53,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scorer.policy.parts import MatchLike
 
 
 class CacheLife:
@@ -57,8 +69,13 @@ class CacheLife:
         stride: int = 16,
         max_entries: int = 200_000,
         full_fraction: float = 0.9,
+        rate_from: str = "routed",
     ) -> None:
         self.window_s = window_s
+        # "events": the rate comes from `removed` (BlockRemoved counts); "routed": from the
+        # written blocks `routed` is told of.
+        self.from_events = rate_from == "events"
+        self._removed: dict[str, int] = {}  # endpoint -> BlockRemoved count last seen
         self.stride = max(stride, 1)
         self.max_entries = max_entries
         self.full_fraction = full_fraction
@@ -75,13 +92,11 @@ class CacheLife:
         now: float,
         full: bool,
     ) -> None:
-        """A request was routed to `endpoint`: `written` new blocks (counted towards its
-        eviction rate when its cache is `full`) and its chain's time refreshed."""
-        rate, t = self._rate.get(endpoint, (0.0, now))
-        rate *= math.exp(-max(now - t, 0.0) / self.window_s)
-        if full and written > 0.0:
-            rate += written / self.window_s
-        self._rate[endpoint] = (rate, now)
+        """A request was routed to `endpoint`: its chain's time is refreshed and, with
+        `rate_from: routed`, its `written` new blocks count towards the eviction rate when
+        its cache is `full`."""
+        if not self.from_events:
+            self._add(endpoint, written if full else 0.0, now)
         n = len(keys)
         if not n:
             return
@@ -96,6 +111,24 @@ class CacheLife:
         seen.move_to_end(k)
         while len(seen) > self.max_entries:
             seen.popitem(last=False)
+
+    def _add(self, endpoint: str, blocks: float, now: float) -> None:
+        """`blocks` evictions at `now` into `endpoint`'s smoothed rate."""
+        rate, t = self._rate.get(endpoint, (0.0, now))
+        rate *= math.exp(-max(now - t, 0.0) / self.window_s)
+        if blocks > 0.0:
+            rate += blocks / self.window_s
+        self._rate[endpoint] = (rate, now)
+
+    def removed(self, endpoint: str, total: int, now: float) -> None:
+        """`endpoint`'s engine has reported `total` GPU blocks removed (BlockRemoved) so
+        far: the ones since the last call count as evicted now (`rate_from: events`)."""
+        last = self._removed.get(endpoint, 0)
+        if total == last and endpoint in self._rate:
+            return
+        self._removed[endpoint] = total
+        # A smaller total: the index forgot the worker (purge, restart); start again.
+        self._add(endpoint, float(total - last if total >= last else total), now)
 
     def eviction_rate(self, endpoint: str, now: float) -> float:
         """Smoothed blocks evicted per second on `endpoint` (0: cache not full)."""
@@ -142,6 +175,18 @@ def life_factor(remaining_s: float, wait_s: float, life_s: float, fade: float) -
     if span <= 0.0:
         return 1.0 if left > 0.0 else 0.0
     return min(max(left / span, 0.0), 1.0)
+
+
+def own_blocks(previous: str, matches: Mapping[str, MatchLike], endpoints: Iterable[str]) -> int:
+    """Blocks of the prompt the previous turn's worker holds beyond every other one of
+    `endpoints` (its cached prefix minus the longest other): the conversation's own
+    context there, what moving the turn would prefill again. 0 when all it holds is also
+    held elsewhere (a shared system prompt): the turn can move at no loss of cache."""
+    m = matches.get(previous)
+    if m is None:
+        return 0
+    other = max((x.blocks for e in endpoints if e != previous and (x := matches.get(e))), default=0)
+    return max(m.blocks - other, 0)
 
 
 class Sessions:

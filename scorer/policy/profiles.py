@@ -43,6 +43,7 @@ class KvOptions(CostOptions):
     credit_decay: float = Field(0.05, ge=0)
     duplicate_cost: float = Field(12.0, ge=0)
     continuity: float = Field(0.6, ge=0, lt=1)
+    continuity_own_blocks: bool = True
     session_spread: float = Field(1.0, ge=0)
 
     # A stream that has been silent since a request was routed to its worker gets its
@@ -66,8 +67,10 @@ class SimpleOptions(PolicyOptions):
 _BUSY = tuple(BusyOptions.model_fields)
 _COST = (
     "prefill_load_scale", "medium_credit", "credit_decay", "stale_credit", "duplicate_cost",
-    "speculative", "unit", "decode_ms_per_block", "block_life", "life_window_s", "life_fade",
-    "continuity", "continuity_min_match", "session_spread", "session_weight",
+    "speculative", "unit", "decode_ms_per_block", "block_life", "life_rate", "life_window_s",
+    "life_fade",
+    "continuity", "continuity_own_blocks", "continuity_min_match", "session_spread",
+    "session_weight",
     "session_live_s", "session_rebalance",
 )  # fmt: skip
 

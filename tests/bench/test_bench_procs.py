@@ -3,14 +3,15 @@ it, a restarted name gets a fresh log, and a child ignoring SIGTERM is killed.""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from pids import alive
+
 from kvscorer_tools.bench.procs import ProcGroup, wait_until
 
-# A parent that starts a grandchild (as vLLM's API server starts its engine core), prints
-# the grandchild's pid and ignores SIGTERM's effect on the grandchild (it keeps running).
+# A parent that starts a grandchild (as vLLM's API server starts its engine core) and
+# prints its pid; the grandchild ignores SIGTERM, so only a group kill ends it.
 PARENT = """
 import signal, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c",
@@ -18,19 +19,6 @@ child = subprocess.Popen([sys.executable, "-c",
 print("child", child.pid, flush=True)
 time.sleep(600)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _child_pid(log: Path) -> int | None:
@@ -45,10 +33,10 @@ def test_stop_ends_the_childs_own_children(tmp_path: Path) -> None:
     try:
         p = group.start("parent", [sys.executable, "-c", PARENT])
         grandchild = wait_until(lambda: _child_pid(p.log), 30.0, "the grandchild", p)
-        assert _alive(grandchild)
+        assert alive(grandchild)
         group.stop(p, grace_s=0.5)
         assert not p.alive()
-        assert wait_until(lambda: not _alive(grandchild), 10.0, "the grandchild gone")
+        assert wait_until(lambda: not alive(grandchild), 10.0, "the grandchild gone")
     finally:
         group.stop_all(grace_s=0.5)
 
@@ -65,7 +53,7 @@ def test_stop_all_ends_children_and_a_restart_gets_a_fresh_log(tmp_path: Path) -
         assert g2 != g1 and _child_pid(first.log) == g1
         group.stop_all(grace_s=0.5)
         assert group.procs == [] and not again.alive()
-        assert wait_until(lambda: not _alive(g2), 10.0, "the grandchild gone")
+        assert wait_until(lambda: not alive(g2), 10.0, "the grandchild gone")
         pids = (tmp_path / "logs" / "pids").read_text().split()
         assert pids == [str(first.pid), "parent", str(again.pid), "parent"]
     finally:

@@ -8,7 +8,6 @@ a normal run and after Ctrl-C in the middle of one.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,23 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from pids import alive
 
 from kvscorer_tools.bench.report import check_results_shape
 
 # Both tests run the demo: real Envoy in a child process, tens of seconds each.
 pytestmark = [pytest.mark.envoy, pytest.mark.slow]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes (its parent, the demo, has exited).
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def _pids(out: Path) -> list[int]:
@@ -95,7 +83,7 @@ def test_small_demo_end_to_end(tmp_path: Path) -> None:
     assert len(serving) >= 4 and all("ext_proc_tls=self-signed" in ln for ln in serving), serving
     pids = _pids(out)
     assert len(pids) >= 4 + 5  # 4 sims + a scorer per run
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if alive(p)]
 
 
 def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
@@ -125,4 +113,4 @@ def test_demo_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 130, stdout
     assert "interrupted" in stdout
-    assert not [p for p in _pids(out) if _alive(p)]
+    assert not [p for p in _pids(out) if alive(p)]

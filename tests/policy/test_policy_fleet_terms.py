@@ -7,7 +7,7 @@ import math
 import pytest
 from kvpolicy_helpers import endpoint, hold, keys, make, request
 
-from scorer.policy.fleet import CacheLife, Sessions, life_factor
+from scorer.policy.fleet import CacheLife, Sessions, life_factor, own_blocks
 from scorer.pool.prefill import PrefillModel
 
 
@@ -84,7 +84,8 @@ def test_old_chain_on_a_full_cache_is_worth_less() -> None:
     """
     k = keys(10)
     for life, winner in ((False, 0), (True, 1)):
-        s = make(2, options={**BASE, "block_life": life, "life_window_s": 10.0})
+        opts = {**BASE, "block_life": life, "life_window_s": 10.0, "life_rate": "routed"}
+        s = make(2, options=opts)
         hold(s.index, endpoint(0), k)
         set_load(s, 0, prefill=3)
         w0 = s.pool.workers[endpoint(0)]
@@ -103,6 +104,43 @@ def test_old_chain_on_a_full_cache_is_worth_less() -> None:
             assert t["block_life_s"] == pytest.approx(20.0 / (10.0 * math.exp(-0.3)), rel=0.05)
         else:
             assert "terms" not in row
+
+
+def test_eviction_rate_from_block_removed_counts() -> None:
+    """`life_rate: events`: the rate is the worker's BlockRemoved count over time, as the
+    index applied it (not the router's own writes). W0 holds the 10-block prompt and has
+    removed 100 other blocks 3 s ago (10-s window): its 20-block cache turns over in
+    ~2.7 s, the chain (routed 3 s ago) is gone by the block-life estimate, and W1 wins."""
+    k = keys(10)
+    s = make(2, options={**BASE, "block_life": True, "life_window_s": 10.0})
+    scorer = s.policy.scorers[0]
+    assert scorer.life.from_events
+    hold(s.index, endpoint(0), k)
+    set_load(s, 0, prefill=3)
+    s.pool.workers[endpoint(0)].scraped.num_gpu_blocks = 20
+    now = s.policy.clock()
+    # A routed chain with many written blocks does not move the rate any more.
+    scorer.life.routed(endpoint(0), k, 100.0, now - 3.0, full=True)
+    assert scorer.life.eviction_rate(endpoint(0), now) == 0.0
+    scorer.life.removed(endpoint(0), s.index.removed_total(endpoint(0)), now)
+    assert scorer.life.life_s(endpoint(0), 20.0, now) is None  # nothing removed: no limit
+    # The engine evicts 100 blocks (its BlockRemoved events, applied by the index).
+    other = keys(100, base=9000)
+    hold(s.index, endpoint(0), other)
+    assert s.index.remove(endpoint(0), None, [x ^ 0x5A5A for x in other]) == (100, 0)
+    assert s.index.removed_total(endpoint(0)) == 100
+    assert s.index.stats(endpoint(0))["removed"] == 100
+    d = s.policy.decide(request(k), list(s.pool))
+    t = by_ep(d)[endpoint(0)].as_dict()["terms"]
+    assert t["evictions_per_s"] == pytest.approx(10.0)  # 100 blocks / 10 s window
+    assert t["block_life_s"] == pytest.approx(2.0)
+    assert t["life_factor"] == 0.0  # routed 3 s ago: past its 2 s life
+    assert d.endpoint == endpoint(1)
+
+
+def test_approx_block_life_falls_back_to_routed_blocks() -> None:
+    s = make(2, policy="approx", options={**BASE, "block_life": True})
+    assert not s.policy.scorers[0].life.from_events
 
 
 def test_ms_unit_prices_the_queue_and_the_uncached_prefill() -> None:
@@ -124,7 +162,8 @@ def test_ms_unit_prices_the_queue_and_the_uncached_prefill() -> None:
 
 def test_continuity_keeps_the_sessions_previous_worker_unless_clearly_better() -> None:
     k = keys(10)
-    s = make(2, options={**BASE, "continuity": 0.3})
+    # (The discount alone: unrelated prompts, so the own-blocks gate is off here.)
+    s = make(2, options={**BASE, "continuity": 0.3, "continuity_own_blocks": False})
     first = s.policy.decide(request(k, session_id="s"), list(s.pool))
     prev = first.endpoint
     other = 1 - s.endpoints.index(prev)
@@ -137,6 +176,51 @@ def test_continuity_keeps_the_sessions_previous_worker_unless_clearly_better() -
     set_load(s, 1 - other, decode=40)
     d = s.policy.decide(request(keys(10, base=6000), session_id="s"), list(s.pool))
     assert d.endpoint == endpoint(other)
+
+
+def test_continuity_needs_blocks_only_the_previous_worker_holds() -> None:
+    """`continuity_own_blocks`: a turn whose cached prefix is all shared (a system prompt
+    both workers hold) has nothing to lose by moving: no discount, the idle worker wins
+    (without the gate the discount keeps it on the busier one). Once the previous worker
+    holds the conversation's own blocks, it is kept."""
+    system = keys(4)
+    second = system + keys(1, base=200)
+    for gate in (True, False):
+        s = make(2, options={**BASE, "continuity": 0.6, "continuity_own_blocks": gate})
+        first = s.policy.decide(request(system + keys(1, base=100), session_id="s"), list(s.pool))
+        prev = s.endpoints.index(first.endpoint)
+        hold(s.index, endpoint(0), system)
+        hold(s.index, endpoint(1), system)
+        set_load(s, prev, decode=4)  # the previous worker is busier than the other
+        d = s.policy.decide(request(second, session_id="s"), list(s.pool))
+        t = by_ep(d)[endpoint(prev)].as_dict()["terms"]
+        if not gate:
+            assert d.endpoint == endpoint(prev) and t["previous_turn"] is True
+            assert t["own_blocks"] is None
+            continue
+        assert d.endpoint == endpoint(1 - prev)
+        assert t["previous_turn"] is False and t["own_blocks"] == 0
+        # The conversation's own block now on the new worker: kept there although busier.
+        now = 1 - prev
+        hold(s.index, endpoint(now), second)
+        set_load(s, prev, decode=0)
+        set_load(s, now, decode=6)
+        d = s.policy.decide(request(second + keys(1, base=300), session_id="s"), list(s.pool))
+        assert d.endpoint == endpoint(now)
+        t = by_ep(d)[endpoint(now)].as_dict()["terms"]
+        assert t["previous_turn"] is True and t["own_blocks"] == 1
+
+
+def test_own_blocks() -> None:
+    class M:
+        def __init__(self, blocks: int) -> None:
+            self.blocks = blocks
+
+    m = {"a": M(5), "b": M(3)}
+    assert own_blocks("a", m, ["a", "b", "c"]) == 2
+    assert own_blocks("b", m, ["a", "b"]) == 0  # another holds more: nothing of its own
+    assert own_blocks("a", m, ["a", "c"]) == 5  # only eligible ones count
+    assert own_blocks("c", m, ["a", "b", "c"]) == 0
 
 
 def test_continuity_from_the_prefix_needs_one_holder_of_most_of_the_prompt() -> None:
@@ -255,7 +339,8 @@ def test_session_spread_places_a_new_session_away_from_busy_hosts() -> None:
     """
     k = keys(10)
     for spread, winner in ((0.0, 0), (1.0, 1)):
-        s = make(2, options={**BASE, "session_spread": spread, "continuity": 0.1})
+        opts = {**BASE, "session_spread": spread, "continuity": 0.1}
+        s = make(2, options={**opts, "continuity_own_blocks": False})  # unrelated prompts
         hold(s.index, endpoint(0), k[:8])
         scorer = s.policy.scorers[0]
         now = s.policy.clock()
@@ -272,6 +357,7 @@ def test_kv_ships_the_fleet_terms_approx_keeps_the_plain_cost() -> None:
     approx = make(2, policy="approx").policy.scorers[0].options
     assert (kv.duplicate_cost, kv.continuity, kv.credit_decay) == (12.0, 0.6, 0.05)
     assert kv.session_spread > 0 and not kv.block_life and kv.unit == "blocks"
+    assert kv.continuity_own_blocks and kv.life_rate == "events"
     assert (kv.session_weight, kv.session_live_s, kv.session_rebalance) == ("sessions", 600, 0)
     assert (approx.duplicate_cost, approx.continuity, approx.session_spread) == (0, 0, 0)
     assert approx.credit_decay == 0.1

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from scorer.policy.approx_index import ApproxIndex
 from scorer.policy.cost import CostModelOptions, FleetInputs, dynamo_costs
-from scorer.policy.fleet import CacheLife, Sessions, life_factor
+from scorer.policy.fleet import CacheLife, Sessions, life_factor, own_blocks
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.policy.plugin import Cycle, Scorer, plugin
 from scorer.pool.prefill import PrefillModel
@@ -65,13 +65,24 @@ class DynamoCost(Scorer):
         self.approx: ApproxIndex | None = None
         # Fleet terms' state (scorer.policy.fleet): block life and chain ages, sessions'
         # previous workers; the prefill model used until the director shares its fitted one.
-        self.life = CacheLife(options.life_window_s) if options.block_life else None
+        self.life = (
+            CacheLife(options.life_window_s, rate_from=self._life_rate_from())
+            if options.block_life
+            else None
+        )
         sessions = options.continuity > 0.0 or options.session_spread > 0.0
         self.sessions = Sessions(live_s=options.session_live_s) if sessions else None
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
         if options.source == "decisions":
             self.approx = ApproxIndex(options.ttl_s, options.max_keys, clock)
+
+    def _life_rate_from(self) -> str:
+        """`events` when asked for and the index counts BlockRemoved per worker, else
+        `routed` (source: decisions has no engine events)."""
+        o = self.options
+        counts = callable(getattr(self.ctx.parts.index, "removed_total", None))
+        return "events" if o.life_rate == "events" and o.source == "events" and counts else "routed"
 
     def index(self) -> IndexLike | None:
         """Where cached prefixes are looked up."""
@@ -116,15 +127,18 @@ class DynamoCost(Scorer):
         now = cycle.now
         cands = cycle.candidates
         keys = cycle.request.block_keys
-        life: dict[int, tuple[float, float | None, float | None]] = {}
+        life: dict[int, tuple[float, float | None, float | None, float]] = {}
         cl = self.life
         if cl is not None and matches and keys:
             pfs = cycle.load.prefill
+            removed_total = getattr(self.index(), "removed_total", None) if cl.from_events else None
             for i in cycle.eligible:
                 w = cands[i]
                 m = matches.get(w.endpoint)
                 if m is None or m.blocks <= 0:
                     continue
+                if removed_total is not None:
+                    cl.removed(w.endpoint, removed_total(w.endpoint), now)
                 life_s = cl.life_s(w.endpoint, float(w.scraped.num_gpu_blocks or 0), now)
                 if life_s is None:
                     continue
@@ -133,10 +147,14 @@ class DynamoCost(Scorer):
                 if age is not None:
                     wait = model.estimate(pfs[i] * bs) if pfs[i] > 0.0 else 0.0
                     f = life_factor(life_s - age, wait, life_s, o.life_fade)
-                life[i] = (f, life_s, age)
+                life[i] = (f, life_s, age, cl.eviction_rate(w.endpoint, now))
         previous: int | None = None
+        own: int | None = None
         if o.continuity > 0.0:
             previous = self._previous(cycle, matches)
+            if previous is not None and o.continuity_own_blocks:
+                eps = cycle.endpoints
+                own = own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])
         live: list[float] | None = None
         left: int | None = None
         ss = self.sessions
@@ -158,6 +176,7 @@ class DynamoCost(Scorer):
             bs,
             life,
             previous,
+            own,
             live,
             left,
         )
@@ -287,6 +306,9 @@ class DynamoCost(Scorer):
         assert self.life is not None
         m = cycle.matches(self.index()).get(w.endpoint)
         written = float(len(keys) - (0 if m is None else m.blocks))
+        if self.life.from_events:  # the rate comes from BlockRemoved: only the chain's time
+            self.life.routed(w.endpoint, keys, written, cycle.now, False)
+            return
         cap = float(w.scraped.num_gpu_blocks or 0)
         idx = self.index()
         stats = getattr(idx, "stats", None)
