@@ -149,3 +149,37 @@ def test_native_columns_refuse_what_the_reference_refuses() -> None:
         NATIVE.decay_credit([], [], 1.0, 0.1)
     with pytest.raises(ValueError):
         NATIVE.cost_column([1.0], [1.0], [1.0], [1.0], [], 1.0, 1.0, 0.0, 0.0)
+
+
+@settings(max_examples=scaled(100))
+@given(
+    held=st.lists(st.integers(0, 12), min_size=1, max_size=7),
+    busy=st.lists(st.booleans(), min_size=7, max_size=7),
+)
+@example(held=[12, 12, 3], busy=[False] * 7)  # a shared prefix: no previous turn
+@example(held=[9, 0, 0], busy=[False] * 7)  # no other holder: all its blocks are its own
+@example(held=[9, 11, 4], busy=[False, True] + [False] * 5)  # the longest is filtered
+def test_longest_prefix_finds_fleet_own_blocks(held: list[int], busy: list[bool]) -> None:
+    # dynamo_cost names the previous turn's worker by the longest prefix and takes its own
+    # blocks from the lists at hand; scorer.policy.fleet.own_blocks is the reference.
+    from kvpolicy_helpers import endpoint, hold, keys, make, request
+
+    from scorer.policy.fleet import own_blocks
+    from scorer.policy.plugin import Cycle
+
+    s = make(len(held), options={"continuity": 0.6, "continuity_min_match": 0.0})
+    prompt = keys(12)
+    for i, n in enumerate(held):
+        if n:
+            hold(s.index, endpoint(i), prompt[:n])
+    workers = list(s.pool)
+    scorer = s.policy.scorers[0]  # type: ignore[attr-defined]
+    cycle = Cycle(request(prompt), workers, NOW, 16, 12.0, 5.0, 12.0, [None] * len(workers))
+    cycle.eligible = [i for i in range(len(workers)) if not busy[i]] or [0]
+    matches = cycle.matches(scorer.index())
+    previous, own = scorer._previous(cycle, matches)
+    if previous is None:
+        assert own is None
+        return
+    eps = cycle.endpoints
+    assert own == own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])

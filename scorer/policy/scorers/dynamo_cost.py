@@ -152,10 +152,12 @@ class DynamoCost(Scorer):
         previous: int | None = None
         own: int | None = None
         if o.continuity > 0.0:
-            previous = self._previous(cycle, matches)
+            previous, own_found = self._previous(cycle, matches)
             if previous is not None and o.continuity_own_blocks:
-                eps = cycle.endpoints
-                own = own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])
+                own = own_found
+                if own is None:
+                    eps = cycle.endpoints
+                    own = own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])
         live: list[float] | None = None
         left: int | None = None
         ss = self.sessions
@@ -205,45 +207,56 @@ class DynamoCost(Scorer):
             return i
         return None
 
-    def _previous(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> int | None:
-        """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible."""
+    def _previous(
+        self, cycle: Cycle, matches: Mapping[str, MatchLike]
+    ) -> tuple[int | None, int | None]:
+        """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible,
+        and, when the longest cached prefix named it, the blocks it holds beyond every other
+        eligible candidate (fleet.own_blocks, found on the way; None: not computed)."""
         eps = cycle.endpoints
         eligible = cycle.eligible
         sid = cycle.request.session_id
+        own: int | None = None
         if sid and self.sessions is not None:
             # A session names its previous turn; a new one has none (its prefix may be a
             # system prompt shared with other sessions, not a previous turn).
             ep = self.sessions.get(sid, cycle.now)
         else:
-            ep = self._longest_prefix(cycle, matches)
+            ep, own = self._longest_prefix(cycle, matches)
         if ep is None:
-            return None
+            return None, None
         # Its candidate index, if it is eligible.
         try:
             i = eps.index(ep)
         except ValueError:
-            return None
-        return i if len(eligible) == len(eps) or i in eligible else None
+            return None, None
+        return (i, own) if len(eligible) == len(eps) or i in eligible else (None, None)
 
-    def _longest_prefix(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> str | None:
+    def _longest_prefix(
+        self, cycle: Cycle, matches: Mapping[str, MatchLike]
+    ) -> tuple[str | None, int | None]:
         """The endpoint holding the longest cached prefix among the eligible candidates,
-        when it is the only one that long and covers continuity_min_match of the prompt."""
+        when it is the only one that long and covers continuity_min_match of the prompt,
+        and its blocks beyond the next longest (fleet.own_blocks: the lists are at hand)."""
         keys = cycle.request.block_keys
         if not matches or not keys:
-            return None
+            return None, None
         held = matches
         if len(cycle.eligible) != len(cycle.candidates):
             # Only the eligible candidates' prefixes count.
             eps = cycle.endpoints
             held = {e: m for i in cycle.eligible if (m := matches.get(e := eps[i])) is not None}
         if not held:
-            return None
+            return None, None
         blocks = list(map(_blocks, held.values()))
         top = max(blocks)
         # A prefix held by several workers (a shared system prompt) names no one turn.
         if top <= 0 or blocks.count(top) > 1 or top < self.options.continuity_min_match * len(keys):
-            return None
-        return next(islice(held, blocks.index(top), None))  # (no list of every key)
+            return None, None
+        j = blocks.index(top)
+        ep = next(islice(held, j, None))  # (no list of every key)
+        del blocks[j]
+        return ep, max(top - max(blocks, default=0), 0)
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
