@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from itertools import islice
 from operator import attrgetter
 from typing import TYPE_CHECKING, Literal
 
@@ -242,7 +243,7 @@ class DynamoCost(Scorer):
         # A prefix held by several workers (a shared system prompt) names no one turn.
         if top <= 0 or blocks.count(top) > 1 or top < self.options.continuity_min_match * len(keys):
             return None
-        return list(held)[blocks.index(top)]
+        return next(islice(held, blocks.index(top), None))  # (no list of every key)
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
