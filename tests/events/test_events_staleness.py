@@ -112,3 +112,35 @@ async def test_all_hit_requests_never_make_a_silent_stream_stale(
     finally:
         await ing.stop()
         await pub.close()
+
+
+def test_silence_clocks_of_removed_workers_are_forgotten() -> None:
+    # A rolling update replaces every pod many times: the per-worker silence clocks stay
+    # as many as the live workers (not the workers ever routed to).
+    from scorer.events.subscriber import StreamStatus
+
+    cfg = Config.model_validate(
+        {"pool": {"workers": [{"endpoint": EP, "events": {"endpoint": "tcp://127.0.0.1:1"}}]}}
+    )
+    pool = Pool.from_config(cfg)
+    index = BlockIndex(cfg.index)
+
+    class Events:
+        def status(self, ep: str) -> StreamStatus:
+            return StreamStatus(last_event_at=1.0)
+
+    parts = Parts(index=index, events=Events())  # type: ignore[arg-type]
+    pctx = PolicyContext(pool=pool, config=cfg, rng=random.Random(7), parts=parts)
+    pol = build_policy("kv", pctx, {})
+    scorer = pol.plugin("dynamo_cost")  # type: ignore[attr-defined]
+    template = pool.workers[EP].config
+    prev = EP
+    for n in range(300):
+        ep = f"10.0.2.{n}:8000"
+        pool.add(template.model_copy(update={"endpoint": ep}))
+        pool.remove(prev, "deleted")
+        prev = ep
+        d = pol.decide(_request(n, TOKENS[: 2 * BS]), list(pool))
+        assert d.endpoint == ep
+    assert ep in scorer._routed_since
+    assert len(scorer._routed_since) <= 2 * len(pool.workers) + 16

@@ -307,9 +307,15 @@ class DynamoCost(Scorer):
                 last = events.status(ep).last_event_at
             except LookupError:
                 last = None
-            seen = self._routed_since.get(ep)
+            since = self._routed_since
+            seen = since.get(ep)
             if seen is None or seen[0] != last:
-                self._routed_since[ep] = (last, self.clock())
+                if seen is None and len(since) > 2 * len(self.ctx.pool.workers) + 16:
+                    # Workers come and go: forget the clocks of those no longer in the
+                    # pool (amortised: runs once the dict has doubled past the pool).
+                    for gone in [e for e in since if e not in self.ctx.pool.workers]:
+                        del since[gone]
+                since[ep] = (last, self.clock())
         if self.options.speculative and keys:
             idx = self.index()
             if idx is not None:
