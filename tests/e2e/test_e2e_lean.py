@@ -141,6 +141,17 @@ async def test_lean_and_full_route_alike(
     assert [c.status for c in done] == [None] * 3 + [200] * 3
 
 
+async def _post_twice(s: aiohttp.ClientSession, port: int) -> list[int]:
+    """Two completions through Envoy (round robin over a dead and a live worker: one each);
+    their statuses."""
+    got = []
+    for _ in range(2):
+        async with s.post(f"http://127.0.0.1:{port}/v1/completions", data=BODY) as r:
+            await r.read()
+            got.append(r.status)
+    return got
+
+
 async def test_upstream_failure_ends_the_request(backends: list[Backend]) -> None:
     """A worker that refuses: Envoy answers 503 itself. Both shapes end the request; only
     the full shape reports the 503 (the health monitor's request_failed evidence)."""
@@ -155,13 +166,7 @@ async def test_upstream_failure_ends_the_request(backends: list[Backend]) -> Non
         for full in (False, True):
             cfg = render_envoy_config(0, app.extproc_port, 0, response_headers=full)
             async with EnvoyProcess(cfg) as e, aiohttp.ClientSession() as s:
-                got = statuses[full] = []
-                for _ in range(2):
-                    async with s.post(
-                        f"http://127.0.0.1:{e.listener_port}/v1/completions", data=BODY
-                    ) as r:
-                        await r.read()
-                        got.append(r.status)
+                got = statuses[full] = await _post_twice(s, e.listener_port)
             assert sorted(got) == [200, 503]
         done = await ends.until(4)
         assert len(app.pool.inflight) == 0
@@ -189,13 +194,7 @@ async def test_lean_upstream_failure_is_health_evidence(
         )
         cfg = render_envoy_config(0, app.extproc_port, 0)
         async with EnvoyProcess(cfg) as e, aiohttp.ClientSession() as s:
-            got = []
-            for _ in range(2):  # round robin: one of them goes to the dead worker
-                async with s.post(
-                    f"http://127.0.0.1:{e.listener_port}/v1/completions", data=BODY
-                ) as r:
-                    await r.read()
-                    got.append(r.status)
+            got = await _post_twice(s, e.listener_port)
             assert sorted(got) == [200, 503]
             h = app.health_monitor
             assert isinstance(h, HealthMonitor)
