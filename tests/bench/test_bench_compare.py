@@ -1,0 +1,80 @@
+"""The replay-vs-e2e comparison: conversation parents, and replaying a run's own routing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvscorer_tools.bench.compare import (
+    continuations,
+    e2e_rows,
+    follow_rows,
+    main,
+    parents,
+    replay_rows,
+)
+from kvscorer_tools.bench.replay import ReplaySettings, RequestKeys
+from kvscorer_tools.bench.workloads import load_workload
+
+
+def _wl():  # type: ignore[no-untyped-def]
+    return load_workload("mooncake-conversation").slice(250, 1.0)
+
+
+def test_parents_are_the_longest_shared_prefix_of_hash_ids() -> None:
+    wl = _wl()
+    par = parents(wl)
+    assert wl.hash_ids is not None
+    assert par[0] == (-1, 0)
+    for i, (j, n) in enumerate(par):
+        if j < 0:
+            continue
+        assert j < i and wl.hash_ids[i][:n] == wl.hash_ids[j][:n]
+        # No earlier request shares more.
+        longer = wl.hash_ids[i][: n + 1]
+        assert len(longer) == n or all(h[: n + 1] != longer for h in wl.hash_ids[:i])
+
+
+def test_following_a_replays_own_routing_reproduces_it(tmp_path: Path) -> None:
+    """Sent where a replay sent them, the requests find the same cache hits (the check the
+    comparison makes against an e2e run), and the policy's dry run picks the same worker
+    when nothing is random (round robin is deterministic given the same order)."""
+    wl = _wl()
+    keys = RequestKeys(wl, 512)
+    s = ReplaySettings(capacity_blocks=200, seed=1)
+    rows = replay_rows(wl, keys, "kv", s)
+    # As the e2e rows look (key = hash of the prompt's token ids, wall times).
+    e2e_file = tmp_path / "kv.jsonl"
+    lines = []
+    for br, r in zip(wl.requests, rows, strict=True):
+        line = dict(r, key=hash(tuple(br.token_ids())), sent=r["arrival"])
+        lines.append(json.dumps(line))
+    e2e_file.write_text("\n".join(reversed(lines)) + "\n")  # any order: paired by key
+    e2e = e2e_rows(e2e_file, wl)
+    assert [x["worker"] for x in e2e if x] == [r["worker"] for r in rows]
+    followed, would = follow_rows(wl, keys, "kv", s, e2e)
+    assert [r["cached_tokens"] for r in followed] == [r["cached_tokens"] for r in rows]
+    assert sum(r["cached_tokens"] for r in rows) > 0
+    assert len(would) == len(rows) and all(0 <= w < 8 for w in would)
+    c = continuations(wl, rows, parents(wl))
+    assert c["turns"] > 0 and c["stayed"] <= c["turns"]
+    assert c["hits"] == c["hit_stayed"] + c["hit_moved"] + c["hit_other"]
+
+
+def test_cli_writes_json(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "c.json"
+    main(
+        [
+            "--rows",
+            str(tmp_path),
+            "--policies",
+            "round_robin",
+            "--max-requests",
+            "60",
+            "--json",
+            str(out),
+        ]
+    )
+    got = json.loads(out.read_text())
+    assert set(got) == {"round_robin"} and "replay" in got["round_robin"]
+    assert "round_robin replay" in capsys.readouterr().out
