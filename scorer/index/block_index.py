@@ -69,8 +69,10 @@ class BlockIndex:
         self._spec = self._specs.masks
         self._masks = MaskCache()
         self._matches = _match.MatchCache(self._wg)
+        self._media_cache: dict[tuple[int, int, int], Match] = {}
         # The compiled GPU-only lookup (gather + depths in one pass) with the compiled maps.
         self._gpu_depths = getattr(NATIVE, "gpu_depths", None) if self.native else None
+        self._media_depths = getattr(NATIVE, "media_depths", None) if self.native else None
         self.max_blocks = self.config.max_blocks_per_worker
         self.clock = time.monotonic
         _LIVE.add(self)
@@ -286,6 +288,11 @@ class BlockIndex:
                 return _match.from_depths(
                     counts, table.bit_ep, table.ranked, self._wg, self._matches
                 )
+        media = self._media_depths
+        if media is not None:
+            # A block read has a CPU/disk copy: the compiled split by medium.
+            got = media(keys, self._gpu, self._spec, self._cpu, self._disk, allowed)
+            return _match.media_matches(*got, table.bit_ep, self._weights, self._media_cache)
         zero = itertools.repeat(0)
         g = list(map(self._gpu.get, keys, zero))
         spec = self._spec

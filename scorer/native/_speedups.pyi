@@ -82,3 +82,11 @@ def gpu_depths(
     disk: dict[int, int],
     allowed: int,
 ) -> dict[int, int] | None: ...
+def media_depths(
+    keys: Sequence[int],
+    gpu: dict[int, int],
+    spec: dict[int, int],
+    cpu: dict[int, int],
+    disk: dict[int, int],
+    allowed: int,
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]: ...
