@@ -291,8 +291,12 @@ class BlockIndex:
         media = self._media_depths
         if media is not None:
             # A block read has a CPU/disk copy: the compiled split by medium.
-            got = media(keys, self._gpu, self._spec, self._cpu, self._disk, allowed)
-            return _match.media_matches(*got, table.bit_ep, self._weights, self._media_cache)
+            counts, n_cpu, n_disk = media(
+                keys, self._gpu, self._spec, self._cpu, self._disk, allowed
+            )
+            return _match.media_matches(
+                counts, n_cpu, n_disk, table.bit_ep, self._weights, self._media_cache
+            )
         zero = itertools.repeat(0)
         g = list(map(self._gpu.get, keys, zero))
         spec = self._spec
