@@ -73,6 +73,7 @@ class BlockIndex:
         # The compiled GPU-only lookup (gather + depths in one pass) with the compiled maps.
         self._gpu_depths = getattr(NATIVE, "gpu_depths", None) if self.native else None
         self._media_depths = getattr(NATIVE, "media_depths", None) if self.native else None
+        self._depth_matches = getattr(NATIVE, "depth_matches", None) if self.native else None
         self.max_blocks = self.config.max_blocks_per_worker
         self.clock = time.monotonic
         _LIVE.add(self)
@@ -285,6 +286,10 @@ class BlockIndex:
             # One compiled pass (BlockIndex(native=False): the code below, the reference).
             counts = scan(keys, self._gpu, self._spec, self._cpu, self._disk, allowed)
             if counts is not None:
+                by_depth = self._depth_matches
+                if by_depth is not None and not table.ranked:
+                    cache = self._matches
+                    return by_depth(counts, table.bit_ep, cache, cache.make)  # type: ignore[no-any-return]
                 return _match.from_depths(
                     counts, table.bit_ep, table.ranked, self._wg, self._matches
                 )

@@ -90,3 +90,6 @@ def media_depths(
     disk: dict[int, int],
     allowed: int,
 ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]: ...
+def depth_matches(
+    counts: dict[int, int], bit_ep: list[str], cache: dict[int, Any], make: Callable[[int], Any]
+) -> dict[str, Any]: ...

@@ -1215,6 +1215,24 @@ def gpu_depths(keys, dict gpu, dict spec, dict cpu, dict disk, allowed):
             PyMem_Free(buf)
 
 
+def depth_matches(dict counts, list bit_ep, cache, make):
+    """`match.from_depths` without dp ranks: endpoint -> the Match of its depth, from slot
+    bit -> depth, taking each Match from `cache` (a dict, depth -> Match) or `make(depth)`."""
+    cdef dict out = {}
+    if not isinstance(cache, dict):
+        raise TypeError("cache must be a dict")
+    cdef PyObject* m
+    cdef object b, c, got
+    for b, c in counts.items():
+        m = PyDict_GetItemWithError(cache, c)
+        if m == NULL:
+            got = make(c)
+        else:
+            got = <object>m
+        out[bit_ep[b]] = got
+    return out
+
+
 def media_depths(keys, dict gpu, dict spec, dict cpu, dict disk, allowed):
     """`match.media_depths` (the reference) in one pass: per block of `keys`, its holders on
     GPU (`gpu` OR `spec`), CPU (`cpu`) and disk (`disk`); returns (slot bit -> leading

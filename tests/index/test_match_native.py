@@ -17,7 +17,7 @@ from scorer.blocks import BlockHasher
 from scorer.config import IndexConfig
 from scorer.index import MEDIA, BlockIndex
 from scorer.index.masks import depths
-from scorer.index.match import MATCH_CACHE, MatchCache, media_depths
+from scorer.index.match import MATCH_CACHE, MatchCache, from_depths, media_depths
 from scorer.native import NATIVE
 
 KEYS = BlockHasher(4).keys(list(range(4 * 40)))
@@ -266,3 +266,21 @@ def test_match_cache_is_bounded_and_shared() -> None:
     for c in range(MATCH_CACHE + 10):
         cache.make(c)
     assert len(cache) <= MATCH_CACHE
+
+
+@settings(max_examples=scaled(100))
+@given(
+    st.dictionaries(st.integers(0, 70), st.integers(1, 40), max_size=20),
+    st.sampled_from([1.0, 0.5]),
+)
+@example(counts={3: 2, 0: 2, 64: 7}, wg=1.0)
+def test_depth_matches_is_from_depths(counts: dict[int, int], wg: float) -> None:
+    # One endpoint per slot (no dp ranks): the compiled loop over the depths.
+    assert NATIVE is not None
+    bit_ep = [f"w{b}" for b in range(71)]
+    cache = MatchCache(wg)
+    got = NATIVE.depth_matches(counts, bit_ep, cache, cache.make)
+    want = from_depths(counts, bit_ep, False, wg)
+    assert list(got.items()) == list(want.items())
+    again = NATIVE.depth_matches(counts, bit_ep, cache, cache.make)
+    assert all(again[e] is got[e] for e in got)  # kept: the same objects
