@@ -19,9 +19,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
+import gc
 import inspect
 import os
+import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
@@ -118,11 +121,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 # ---- hang backstop -----------------------------------------------------------------------
-# pytest-timeout (`timeout`, signal method) fails a slow test cleanly and its fixtures still
-# stop their processes. It cannot fire while the main thread sits in C code that does not
-# return to the interpreter, nor after the session (a thread joined at exit). faulthandler's
-# watchdog is a C thread needing no GIL: past the timeout plus a margin, or a minute after
-# the session ended, it prints every thread's stack and exits 1. A hang is a failure.
+# Three layers, each armed per test from its setup to the next test's setup:
+# - pytest-timeout (`timeout`, signal method) fails a slow test cleanly and its fixtures
+#   still stop their processes;
+# - its signal does not end a test whose uvloop loop sits idle (awaiting what never comes),
+#   so 2 s later a thread cancels every task of the running loops (the test fails, its
+#   fixtures still run);
+# - neither can act while the main thread sits in C code that does not return to the
+#   interpreter, nor after the session (a thread joined at exit): faulthandler's watchdog,
+#   a C thread needing no GIL, past the timeout plus a margin (or a minute after the
+#   session ended) prints every thread's stack, just after a Python thread printed every
+#   loop's tasks with their awaits, and exits 1. A hang is a failure.
 _BACKSTOP_MARGIN_S = 60.0
 _real_stderr: int | None = None
 
@@ -143,9 +152,70 @@ def _ini_timeout(config: pytest.Config) -> Any:
         return None
 
 
-def _watchdog(seconds: float) -> None:
+_task_timer: threading.Timer | None = None
+_cancel_timer: threading.Timer | None = None
+# After pytest-timeout's own signal: the time it gets to end the test first.
+_CANCEL_AFTER_S = 2.0
+
+
+def _running_loops() -> list[asyncio.AbstractEventLoop]:
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]
+    return [loop for loop in loops if loop.is_running() and not loop.is_closed()]
+
+
+def _cancel_tasks(fd: int) -> None:
+    """pytest-timeout's signal cannot end a test whose uvloop loop idles (uvloop runs the
+    handler as a callback; its exception goes nowhere): cancel the loop's tasks instead,
+    from this thread, so the test fails and its fixtures still stop what they started."""
+    for loop in _running_loops():
+        with contextlib.suppress(OSError):
+            os.write(fd, b"\nHang backstop: test timed out on an idle loop; cancelling\n")
+
+        def cancel_all(loop: asyncio.AbstractEventLoop = loop) -> None:
+            for task in asyncio.all_tasks(loop):
+                task.cancel()
+
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(cancel_all)
+
+
+def _dump_tasks(fd: int) -> None:
+    """Every running event loop's tasks, each with its chain of awaits: a hang on an idle
+    loop shows only `asyncio.run` in faulthandler's dump; this says what it waits for."""
+    lines = ["", "Hang backstop: asyncio tasks of running loops"]
+    for loop in _running_loops():
+        with contextlib.suppress(RuntimeError):  # the set changed while we read it
+            for task in list(asyncio.all_tasks(loop)):
+                lines.append(f"  {task.get_name()}:")
+                coro: Any = task.get_coro()
+                while coro is not None:
+                    frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                    if frame is not None:
+                        code = frame.f_code
+                        lines.append(f"    {code.co_filename}:{frame.f_lineno} {code.co_name}")
+                    coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    with contextlib.suppress(OSError):
+        os.write(fd, ("\n".join(lines) + "\n").encode())
+
+
+def _watchdog(seconds: float, timeout: float | None = None) -> None:
+    global _task_timer, _cancel_timer
     fd = _real_stderr if _real_stderr is not None else 2
     faulthandler.dump_traceback_later(seconds, exit=True, file=fd)
+    if _task_timer is not None:
+        _task_timer.cancel()
+    # Just before faulthandler exits the process (a Python thread: needs the GIL, which an
+    # idle loop releases).
+    _task_timer = threading.Timer(max(0.0, seconds - 5.0), _dump_tasks, (fd,))
+    _task_timer.daemon = True
+    _task_timer.start()
+    if _cancel_timer is not None:
+        _cancel_timer.cancel()
+        _cancel_timer = None
+    if timeout is not None:
+        _cancel_timer = threading.Timer(timeout + _CANCEL_AFTER_S, _cancel_tasks, (fd,))
+        _cancel_timer.daemon = True
+        _cancel_timer.start()
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -155,9 +225,12 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None]:
     timeout = marker.args[0] if marker and marker.args else None
     timeout = timeout or item.config.getoption("timeout", None) or _ini_timeout(item.config)
     if float(timeout or 0) > 0:
-        _watchdog(float(timeout) + _BACKSTOP_MARGIN_S)
+        _watchdog(float(timeout) + _BACKSTOP_MARGIN_S, float(timeout))
     else:  # --timeout 0 (debugging): no backstop either
         faulthandler.cancel_dump_traceback_later()
+        for timer in (_task_timer, _cancel_timer):
+            if timer is not None:
+                timer.cancel()
     yield
 
 

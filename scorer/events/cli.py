@@ -118,7 +118,8 @@ async def replay(
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         while not printer.done:
             try:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), timeout)
+                async with asyncio.timeout(timeout):
+                    frames = await dealer.recv_multipart()
             except TimeoutError:
                 print(f"replay: no answer from {endpoint} within {timeout}s", file=sys.stderr)
                 return

@@ -41,6 +41,7 @@ from scorer.config import Config, EventsEndpointConfig
 from scorer.events.ingest import EventIngest
 from scorer.events.subscriber import BURST, Subscriber
 from scorer.pool.workers import Pool, PoolChange, Worker, normalize_endpoint
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class PoolEventSocket:
         self.bind_error: str | None = None
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._sub: zmq.asyncio.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None  # the reading end of _sub's monitor
         self._peers = 0
         self._draining: set[str] = set()
         self._drains: set[asyncio.Task[None]] = set()
@@ -142,6 +145,7 @@ class PoolEventSocket:
             self._context.term()
             self._context = None
             raise RuntimeError(f"events.bind: cannot bind {self.bind}: {e}") from e
+        self._sub, self._mon = sub, mon
         last = sub.getsockopt(zmq.LAST_ENDPOINT)
         self.bound_endpoint = last.decode() if isinstance(last, bytes) else str(last)
         for w in list(self.pool):
@@ -154,16 +158,21 @@ class PoolEventSocket:
         log.warning("KV events: pool socket bound at %s", self.bound_endpoint)
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._drains]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(*self._tasks, *self._drains)
         self._tasks.clear()
         self.held.clear()
         self.held_bytes = 0
         HELD_TOPICS.set(0)
+        if self._sub is not None:
+            # Stop the monitor while its reading end is open, then close that end: see
+            # Subscriber._close (a monitor event sent to a closed reader blocks libzmq's
+            # I/O thread for ever, and with it every socket of the context).
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            if self._mon is not None:
+                self._mon.close(linger=0)
+            self._sub.close(linger=0)
+            self._sub = self._mon = None
         if self._context is not None:
             self._context.destroy(linger=0)
             self._context = None
@@ -313,16 +322,14 @@ class PoolEventSocket:
     async def _monitor(self, mon: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
-        try:
-            while True:
-                msg = parse_monitor_message(await mon.recv_multipart())
-                if msg["event"] == zmq.EVENT_ACCEPTED:
-                    self._peers += 1
-                elif msg["event"] == zmq.EVENT_DISCONNECTED:
-                    self._peers = max(0, self._peers - 1)
-                POOL_PEERS.set(self._peers)
-        finally:
-            mon.close(linger=0)
+        # `mon` is closed by stop(), after the monitor is stopped.
+        while True:
+            msg = parse_monitor_message(await mon.recv_multipart())
+            if msg["event"] == zmq.EVENT_ACCEPTED:
+                self._peers += 1
+            elif msg["event"] == zmq.EVENT_DISCONNECTED:
+                self._peers = max(0, self._peers - 1)
+            POOL_PEERS.set(self._peers)
 
     # ---- admin -------------------------------------------------------------------------
 

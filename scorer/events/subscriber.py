@@ -43,6 +43,7 @@ from scorer.events.decode import (
     decode_seq,
     split_replay_reply,
 )
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class Subscriber:
         self.stats = StreamStats()
         self._logged: set[str] = set()
         self._sub: zmq.asyncio.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None  # the reading end of _sub's monitor
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
         self.bound_endpoint: str | None = None  # after bind mode: the real address
@@ -165,7 +167,8 @@ class Subscriber:
         )
         # Bind mode: wait for the first bind attempt so a caller can read bound_endpoint.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self._ready.wait()
 
     def cancel(self) -> None:
         """Stop applying now (synchronously: the worker left the pool); `stop()` closes."""
@@ -175,22 +178,27 @@ class Subscriber:
     async def stop(self) -> None:
         """Cancel every task and wait for them, so no socket of ours (a sync's DEALER
         included) is open when the caller terminates the ZMQ context."""
-        tasks = [*self._syncing, *self._tasks]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
-        self._close()
+        try:
+            await cancel_and_wait(*self._syncing, *self._tasks)
+        finally:
+            self._tasks.clear()
+            self._close()
 
     def _close(self) -> None:
         if self._sub is not None:
             if self.status.connected:
                 CONNECTED.dec()
             self.status.connected = False
+            # Stop the monitor while its reading end is still open, then close that end.
+            # Closed first, libzmq's I/O thread blocks for ever sending the next event (a
+            # reconnect) to a PAIR with no peer, holding the lock disable_monitor() waits
+            # on: the context's I/O stops and so does the scorer (tests/events/
+            # test_events_monitor.py).
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disable_monitor()
+            if self._mon is not None:
+                self._mon.close(linger=0)
+                self._mon = None
             self._sub.close(linger=0)
             self._sub = None
 
@@ -249,6 +257,7 @@ class Subscriber:
         while True:
             try:
                 self._sub, mon = self._open()
+                self._mon = mon
                 self.stats.bind_error = None
             except zmq.ZMQError as e:
                 # Bind errors (address in use, bad address): report and retry; ZMQ itself
@@ -266,11 +275,11 @@ class Subscriber:
                 if receive.done():
                     receive.result()  # a failure goes to the supervisor
             finally:
-                for t in (monitor, receive):
-                    t.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await t
-                self._close()
+                # Our own cancel (stop() during a reconnect) must come out of here.
+                try:
+                    await cancel_and_wait(monitor, receive)
+                finally:
+                    self._close()
             # The monitor saw the connection drop (connect mode): open a new socket. ZMQ
             # reconnects by itself after a network error but never after a protocol error
             # (e.g. a frame past MAXMSGSIZE), which would leave the stream dead.
@@ -282,30 +291,28 @@ class Subscriber:
         from zmq.utils.monitor import parse_monitor_message
 
         peers = 0
-        try:
-            while True:
-                msg = parse_monitor_message(await mon.recv_multipart())
-                ev = msg["event"]
-                before = peers > 0
-                if ev in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
-                    peers += 1
-                elif ev == zmq.EVENT_DISCONNECTED:
-                    peers = max(0, peers - 1)
-                now = peers > 0
-                if now != before:
-                    self.status.connected = now
-                    CONNECTED.inc() if now else CONNECTED.dec()
-                    if now and self.events.replay_endpoint:
-                        t = asyncio.create_task(self._locked_sync())
-                        self._syncing.add(t)
-                        t.add_done_callback(self._syncing.discard)
-                    if not now and self.on_disconnect is not None:
-                        self.on_disconnect(self.endpoint)
-                if ev == zmq.EVENT_DISCONNECTED and self.events.mode != "bind":
-                    self._log_once("disconnect", f"KV-event stream {self.endpoint} dropped")
-                    return  # _run opens a new socket
-        finally:
-            mon.close(linger=0)
+        # `mon` is closed by _close(), after the monitor is stopped.
+        while True:
+            msg = parse_monitor_message(await mon.recv_multipart())
+            ev = msg["event"]
+            before = peers > 0
+            if ev in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                peers += 1
+            elif ev == zmq.EVENT_DISCONNECTED:
+                peers = max(0, peers - 1)
+            now = peers > 0
+            if now != before:
+                self.status.connected = now
+                CONNECTED.inc() if now else CONNECTED.dec()
+                if now and self.events.replay_endpoint:
+                    t = asyncio.create_task(self._locked_sync())
+                    self._syncing.add(t)
+                    t.add_done_callback(self._syncing.discard)
+                if not now and self.on_disconnect is not None:
+                    self.on_disconnect(self.endpoint)
+            if ev == zmq.EVENT_DISCONNECTED and self.events.mode != "bind":
+                self._log_once("disconnect", f"KV-event stream {self.endpoint} dropped")
+                return  # _run opens a new socket
 
     # ---- receiving ---------------------------------------------------------------------
 
@@ -504,9 +511,8 @@ class Subscriber:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 try:
-                    frames = await asyncio.wait_for(
-                        dealer.recv_multipart(), self.config.replay_timeout_s
-                    )
+                    async with asyncio.timeout(self.config.replay_timeout_s):
+                        frames = await dealer.recv_multipart()
                 except TimeoutError:
                     return "timeout", []
                 try:
@@ -558,7 +564,8 @@ class Subscriber:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 try:
-                    frames = await asyncio.wait_for(dealer.recv_multipart(), timeout)
+                    async with asyncio.timeout(timeout):
+                        frames = await dealer.recv_multipart()
                 except TimeoutError:
                     return "timeout"
                 try:

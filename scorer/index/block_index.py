@@ -68,6 +68,9 @@ class BlockIndex:
         self._specs = SpeculativeEntries()
         self._spec = self._specs.masks
         self._masks = MaskCache()
+        self._matches = _match.MatchCache(self._wg)
+        # The compiled GPU-only lookup (gather + depths in one pass) with the compiled maps.
+        self._gpu_depths = getattr(NATIVE, "gpu_depths", None) if self.native else None
         self.max_blocks = self.config.max_blocks_per_worker
         self.clock = time.monotonic
         _LIVE.add(self)
@@ -274,6 +277,15 @@ class BlockIndex:
         allowed = self._table.allowed(endpoints)
         if not allowed or not keys:
             return {}
+        table = self._table
+        scan = self._gpu_depths
+        if scan is not None:
+            # One compiled pass (BlockIndex(native=False): the code below, the reference).
+            counts = scan(keys, self._gpu, self._spec, self._cpu, self._disk, allowed)
+            if counts is not None:
+                return _match.from_depths(
+                    counts, table.bit_ep, table.ranked, self._wg, self._matches
+                )
         zero = itertools.repeat(0)
         g = list(map(self._gpu.get, keys, zero))
         spec = self._spec
@@ -287,8 +299,8 @@ class BlockIndex:
         if slow_c or slow_d:
             c = list(map(cpu.get, keys, zero)) if cpu else None
             d = list(map(disk.get, keys, zero)) if disk else None
-            return _match.with_media(g, c, d, allowed, self._table.bit_ep, self._weights)
-        return _match.gpu_only(g, allowed, self._table.bit_ep, self._table.ranked, self._wg)
+            return _match.with_media(g, c, d, allowed, table.bit_ep, self._weights)
+        return _match.gpu_only(g, allowed, table.bit_ep, table.ranked, self._wg, self._matches)
 
     # ---- introspection -----------------------------------------------------------------
 

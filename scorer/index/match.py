@@ -1,7 +1,9 @@
 """Prefix matching over holder masks: per worker, the contiguous leading blocks it holds.
 
 `gpu_only` is the common case (no prompt block on CPU/disk anywhere): one mask per block,
-depths found where the mask changes. `with_media` splits each worker's matched blocks by
+depths found where the mask changes. With the compiled module the index finds those depths
+in one pass (`scorer.native` `gpu_depths`) and only `from_depths` runs here; `gpu_only` is
+then its reference. `with_media` splits each worker's matched blocks by
 their best medium with Python work only at the positions that have a CPU/disk copy:
 O(blocks + such holders), never O(blocks x workers).
 """
@@ -26,28 +28,63 @@ class Match:
 
 
 def gpu_only(
-    masks: list[int], allowed: int, bit_ep: Sequence[str], ranked: bool, wg: float
+    masks: list[int],
+    allowed: int,
+    bit_ep: Sequence[str],
+    ranked: bool,
+    wg: float,
+    cache: MatchCache | None = None,
 ) -> dict[str, Match]:
     """Matches from per-block GPU (and speculative) holder masks."""
-    counts = depths(masks, allowed)[0]
+    return from_depths(depths(masks, allowed)[0], bit_ep, ranked, wg, cache)
+
+
+class MatchCache(dict[int, Match]):
+    """depth -> the one GPU-only Match of that depth (`Match(c, {"GPU": c}, c * wg)`), kept
+    across lookups: a Match is read-only, so equal ones are one object and a lookup makes
+    none for depths seen before. Bounded: emptied when it reaches `MATCH_CACHE` depths."""
+
+    def __init__(self, wg: float) -> None:
+        super().__init__()
+        self.wg = wg
+
+    def make(self, c: int) -> Match:
+        """The Match of depth `c` (made and kept when new)."""
+        m = self.get(c)
+        if m is None:
+            if len(self) >= MATCH_CACHE:
+                self.clear()
+            m = self[c] = Match(c, {"GPU": c}, c * self.wg)
+        return m
+
+
+# Distinct depths kept by a MatchCache (a depth is at most a prompt's block count).
+MATCH_CACHE = 4096
+
+
+def from_depths(
+    counts: dict[int, int],
+    bit_ep: Sequence[str],
+    ranked: bool,
+    wg: float,
+    cache: MatchCache | None = None,
+) -> dict[str, Match]:
+    """endpoint -> Match from slot bit -> depth (GPU only). `cache`: a MatchCache of weight
+    `wg` (None: a fresh one, shared by this lookup's equal depths only)."""
     if not counts:
         return {}
+    if cache is None:
+        cache = MatchCache(wg)
+    get, make = cache.get, cache.make
     out: dict[str, Match] = {}
-    shared: dict[int, Match] = {}  # one Match per distinct depth
     if ranked:  # an endpoint may have several slots (dp ranks): keep its best
         for b, c in counts.items():
             cur = out.get(bit_ep[b])
             if cur is None or c > cur.blocks:
-                m = shared.get(c)
-                if m is None:
-                    m = shared[c] = Match(c, {"GPU": c}, c * wg)
-                out[bit_ep[b]] = m
+                out[bit_ep[b]] = get(c) or make(c)
         return out
     for b, c in counts.items():
-        m = shared.get(c)
-        if m is None:
-            m = shared[c] = Match(c, {"GPU": c}, c * wg)
-        out[bit_ep[b]] = m
+        out[bit_ep[b]] = get(c) or make(c)
     return out
 
 

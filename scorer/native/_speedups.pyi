@@ -74,3 +74,11 @@ def cost_column(
     best: float,
 ) -> list[float]: ...
 def ids_u32_bytes(ids: list[int]) -> bytes: ...
+def gpu_depths(
+    keys: Sequence[int],
+    gpu: dict[int, int],
+    spec: dict[int, int],
+    cpu: dict[int, int],
+    disk: dict[int, int],
+    allowed: int,
+) -> dict[int, int] | None: ...

@@ -19,7 +19,7 @@ from cpython.array cimport array, clone
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.array cimport resize_smart
-from cpython.dict cimport PyDict_Size
+from cpython.dict cimport PyDict_Contains, PyDict_GetItemWithError, PyDict_Size
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_FromUnsignedLongLong
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
@@ -1093,6 +1093,126 @@ def cost_column(list pf, list dc, list credit, list weighted, list held, double 
             p = 0.0
         out[k] = pls * p + <double>dc[k] + rb + dup * (best - <double>held[k])
     return out
+
+
+# -- The index match (scorer.index.masks.depths and BlockIndex.match's gathering are the
+# reference) ------------------------------------------------------------------------------
+#
+# Holder masks are Python ints (bit i = slot i) of any width; only the bits of `allowed` (the
+# candidates' slots) matter, so each mask is read as the words of `allowed`'s width.
+
+cdef extern from *:
+    """
+    static inline int kv_ctz64(uint64_t x) { return __builtin_ctzll(x); }
+    """
+    int kv_ctz64(uint64_t x) nogil
+
+
+cdef int _mask_words(object m, uint64_t* out, const uint64_t* allowed, Py_ssize_t nw) except -1:
+    """out = the low nw words of int m, AND allowed (allowed NULL: all ones)."""
+    cdef Py_ssize_t w
+    cdef uint64_t x
+    for w in range(nw):
+        x = PyLong_AsUnsignedLongLongMask(m)
+        out[w] = x & allowed[w] if allowed != NULL else x
+        if w + 1 < nw:
+            m = m >> 64
+    return 0
+
+
+def gpu_depths(keys, dict gpu, dict spec, dict cpu, dict disk, allowed):
+    """`BlockIndex.match`'s GPU-only lookup in one pass: per block of `keys`, its GPU holder
+    mask (`gpu`) OR its speculative one (`spec`), and from them, as `masks.depths(...)[0]`,
+    slot bit -> leading blocks held by that slot, among the bits of `allowed` (an int >= 0),
+    in the same order. Stops at the first block no allowed slot holds (the blocks after it
+    change nothing). None when one of the blocks it reads has a CPU (`cpu`) or disk
+    (`disk`) holder: the caller takes the media path (`match.with_media`)."""
+    cdef list ks = keys if type(keys) is list else list(keys)
+    cdef Py_ssize_t n = len(ks), i, w, nw
+    cdef dict counts = {}
+    if allowed < 0:
+        raise ValueError("allowed must be >= 0")
+    nw = (allowed.bit_length() + 63) // 64
+    if nw == 0 or n == 0:
+        return counts
+    cdef uint64_t stack[16]
+    cdef uint64_t* buf = stack
+    if nw > 4:
+        buf = <uint64_t*>PyMem_Malloc(4 * nw * sizeof(uint64_t))
+        if buf == NULL:
+            raise MemoryError()
+    cdef uint64_t* al = buf
+    cdef uint64_t* alive = buf + nw
+    cdef uint64_t* cur = buf + 2 * nw
+    cdef uint64_t* tmp = buf + 3 * nw
+    cdef bint has_spec = len(spec) > 0, has_cpu = len(cpu) > 0, has_disk = len(disk) > 0
+    cdef bint same_ok = False, changed, any_alive
+    cdef PyObject* prev = NULL
+    cdef PyObject* g
+    cdef PyObject* s
+    cdef object k, depth
+    cdef uint64_t x, gone
+    try:
+        _mask_words(allowed, al, NULL, nw)
+        for w in range(nw):
+            alive[w] = al[w]
+        for i in range(n):
+            k = ks[i]
+            if has_cpu and PyDict_Contains(cpu, k):
+                return None
+            if has_disk and PyDict_Contains(disk, k):
+                return None
+            g = PyDict_GetItemWithError(gpu, k)
+            s = PyDict_GetItemWithError(spec, k) if has_spec else NULL
+            if s == NULL:
+                # Equal masks are one shared object: the same object as the block before
+                # leaves every alive slot alive.
+                if same_ok and g == prev:
+                    continue
+                prev = g
+                same_ok = True
+                if g == NULL:
+                    for w in range(nw):
+                        cur[w] = 0
+                else:
+                    _mask_words(<object>g, cur, al, nw)
+            else:
+                same_ok = False
+                _mask_words(<object>s, cur, al, nw)
+                if g != NULL:
+                    _mask_words(<object>g, tmp, al, nw)
+                    for w in range(nw):
+                        cur[w] |= tmp[w]
+            changed = False
+            for w in range(nw):
+                if alive[w] & cur[w] != alive[w]:
+                    changed = True
+                    break
+            if not changed:
+                continue
+            depth = i
+            any_alive = False
+            for w in range(nw):
+                if i:  # a slot without block 0 matches nothing: not in the result
+                    gone = alive[w] & ~cur[w]
+                    while gone:
+                        counts[w * 64 + kv_ctz64(gone)] = depth
+                        gone &= gone - 1
+                alive[w] &= cur[w]
+                if alive[w]:
+                    any_alive = True
+            if not any_alive:
+                return counts
+        depth = n
+        for w in range(nw):
+            x = alive[w]
+            while x:
+                counts[w * 64 + kv_ctz64(x)] = depth
+                x &= x - 1
+        return counts
+    finally:
+        if buf != stack:
+            PyMem_Free(buf)
 
 
 # -- Token-id prompts (scorer.tokens.service.Tokenization._ids_bytes is the reference) -----

@@ -23,7 +23,6 @@ reports NOT_SERVING until then.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -44,6 +43,7 @@ from scorer.pool.kubeapi import (
     selector_string,
 )
 from scorer.pool.workers import Pool
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -249,12 +249,7 @@ class PoolDiscovery:
         )
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *([self._pod_task] if self._pod_task else [])]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(*self._tasks, *([self._pod_task] if self._pod_task else []))
         self._tasks.clear()
         self._pod_task = None
         if self._api is not None:

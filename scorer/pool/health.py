@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge
 
 from scorer.config import Config, HealthConfig
 from scorer.pool.workers import Pool, PoolChange, Worker
+from scorer.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from scorer.director import Completion
@@ -136,11 +137,7 @@ class HealthMonitor:
         self._running = False
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(*tasks)
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -159,7 +156,8 @@ class HealthMonitor:
             if remaining <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self._changed.wait()
         return True
 
     # -- evidence --------------------------------------------------------------------
@@ -245,7 +243,9 @@ class HealthMonitor:
 
     async def _probe_until_back(self, w: Worker) -> None:
         delay = self.config.probe_interval_s
-        while self.pool.get(w.endpoint) is w and not w.healthy:
+        # `_running` too: stop() awaits this task, and a cancel can be lost on the way (a
+        # probe that finishes in the turn it is cancelled, as 3.11's wait_for did).
+        while self._running and self.pool.get(w.endpoint) is w and not w.healthy:
             await asyncio.sleep(delay)
             w.health.probes += 1
             error = await self._probe_fn(w)
@@ -267,7 +267,8 @@ class HealthMonitor:
             return await self._probe_http(w, timeout)
         host, port = _host_port(w.endpoint)
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+            async with asyncio.timeout(timeout):
+                _, writer = await asyncio.open_connection(host, port)
         except TimeoutError:
             return "connect timeout"
         except OSError as e:

@@ -16,7 +16,6 @@ was compacted away) means list again; any other error backs off exponentially.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -32,6 +31,8 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.watch import Watch
 from prometheus_client import Counter
+
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -284,9 +285,7 @@ class Informer:
                 raise _Stalled() from None
             raise
         finally:
-            dog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await dog
+            await cancel_and_wait(dog)
 
     async def _watchdog(self, task: asyncio.Task[None]) -> bool:
         while True:

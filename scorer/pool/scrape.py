@@ -49,6 +49,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scorer.config import Config
 from scorer.pool.health import METRICS_REFUSED, describe, is_refusal
 from scorer.pool.workers import Pool, PoolChange, ScrapedLoad, Worker
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +246,7 @@ class LoadScraper:
         """Stop the loop and close the session."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         session, self._session = self._session, None
         if session is not None:
             await session.close()

@@ -26,7 +26,7 @@ from scorer.events.ingest import EventIngest
 from scorer.index import BlockIndex
 from scorer.pool.health import EJECTIONS, EVIDENCE, HealthMonitor, describe
 from scorer.pool.scrape import LoadScraper
-from scorer.pool.workers import Pool
+from scorer.pool.workers import Pool, Worker
 
 
 def _free_port() -> int:
@@ -262,3 +262,34 @@ async def test_removed_worker_stops_being_probed() -> None:
         assert not monitor._tasks
     finally:
         await monitor.stop()
+
+
+async def test_stop_ends_probing_even_when_a_probe_loses_the_cancel() -> None:
+    """A probe that finishes in the turn it is cancelled (Python 3.11's `wait_for` did:
+    it returned the refusal and dropped the cancel) must not keep `stop()` waiting while
+    the probe loop runs on against a worker that never comes back (a hang in make test)."""
+    dead = f"127.0.0.1:{_free_port()}"
+    config = _config([dead])
+    pool = Pool.from_config(config)
+    calls: list[str] = []
+    looping = asyncio.Event()
+
+    async def losing_probe(w: Worker) -> str | None:
+        calls.append(w.endpoint)
+        if len(calls) > 1:  # the first probe confirms the ejection; the loop's block
+            looping.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()  # until cancelled, then the cancel is lost
+        return "ConnectionRefusedError: refused"
+
+    monitor = HealthMonitor(config, pool, probe=losing_probe)
+    await monitor.start()
+    pool.report(dead, "request_failed", "HTTP 503")
+    async with asyncio.timeout(10):
+        await looping.wait()
+    w = pool.get(dead)
+    assert w is not None and not w.healthy
+    async with asyncio.timeout(10):
+        await monitor.stop()
+    assert not monitor._tasks
+    assert len(calls) == 2  # no probe after stop()
