@@ -97,6 +97,9 @@ class CandidateScore:
     # Blocks of the best candidate's cached prefix this one would write a second time
     # (the cost's duplicate_cost term; 0 when that term is off).
     duplicate_blocks: float = 0.0
+    # Active prefill blocks beyond the least-queued candidate's (the cost's queue_weight
+    # term; 0 when that term is off).
+    queue_blocks: float = 0.0
     # The cost's fleet terms (predicted TTFT, block life, previous turn), when the cost
     # computed them: (scorer.policy.cost.CostTable, candidate index), built into a
     # CandidateTerms only when the row is shown.
@@ -120,6 +123,7 @@ class CandidateScore:
             "filtered": self.filtered,
             "note": self.note,
             "duplicate_blocks": round(self.duplicate_blocks, 2),
+            "queue_blocks": round(self.queue_blocks, 2),
             **self._terms(),
         }
 

@@ -48,6 +48,19 @@ by credit decay on a loaded worker; this one is not, so it is also the "keep a
 conversation where its previous turn ran" term (the worker with the longest prefix is,
 by the prefix itself, the one that served the previous turn). It costs nothing when no
 candidate has the prefix or when the best one wins anyway.
+
+Queue term (option `queue_weight`, off by default; issue 13, TTFT end to end):
+
+    queue_i = active_prefill_i - min over eligible j of active_prefill_j     (blocks)
+    cost_i += queue_weight * prefill_load_scale * queue_i       (after the fleet terms)
+
+The prefill term prices this request's TTFT linearly: a block of queue ahead and a block
+of uncached prompt weigh the same, so a cached block pays for one block of queue. The
+duplicate term (12 per block of the best cached prefix against 10 per prefill block)
+and the continuity discount (x 0.4 on the whole cost, queue included) then let a cached
+worker win with a queue up to ~2.2 x (duplicate) or ~2.5 x (continuity) the blocks its
+cache saves. Added after both, this term restores the queue's price; it is not cut by
+credit decay. It buys TTFT p50 with hit rate on Mooncake (docs/policy.md, "Queue term").
 """
 
 from __future__ import annotations
@@ -156,6 +169,11 @@ class CostModelOptions(PolicyOptions):
     # resort). Trades hit rate and TTFT p99 (its context is prefilled again) for balance
     # (docs/policy.md, "Session spread"). 0: off.
     session_rebalance: float = Field(0.0, ge=0)
+    # Queue ahead (module doc, "Queue term"): cost per block of active prefill a candidate
+    # has beyond the least-queued eligible one, x prefill_load_scale, added after the
+    # fleet terms so neither the continuity discount nor the duplicate term buys a place
+    # in a deeper queue. 0: off.
+    queue_weight: float = Field(0.0, ge=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -355,6 +373,8 @@ class CostTable:
     fleet: FleetInputs | None = None
     ttft: list[float] | None = None
     previous: int | None = None  # candidate index whose cost got the continuity discount
+    # Queue term (None: off): active prefill blocks beyond the least-queued candidate's.
+    queue: list[float] | None = None
     every: bool = False  # every candidate is eligible (position k is candidate k)
     _pos: dict[int, int] | None = None
 
@@ -526,7 +546,23 @@ def dynamo_costs(
         ]
     if fleet is not None:
         _fleet_terms(out, dc, opts, fleet, dup)
+    if opts.queue_weight > 0.0 and n > 1:
+        _queue_term(out, opts)
     return out
+
+
+def _queue_term(out: CostTable, opts: CostModelOptions) -> None:
+    """The queue term (module doc, "Queue term") on `out.costs`, after the fleet terms."""
+    pf = out.prefill
+    lo = min(pf)
+    extra = [p - lo for p in pf]
+    out.queue = extra
+    unit = opts.prefill_load_scale
+    if opts.unit == "ms" and out.fleet is not None:
+        # One block of queue in ms: the fitted prefill ms per block (the ms unit's scale).
+        unit = out.fleet.ms_per_block
+    w = opts.queue_weight * unit
+    out.costs = [c + w * x if x > 0.0 else c for c, x in zip(out.costs, extra, strict=True)]
 
 
 def _fleet_terms(

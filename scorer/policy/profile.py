@@ -373,6 +373,9 @@ def explanation_rows(
             if best is not None and held is not None:
                 for i, h in zip(table.eligible, held, strict=True):
                     rows[i].duplicate_blocks = best - h
+            if table.queue is not None:
+                for i, q in zip(table.eligible, table.queue, strict=True):
+                    rows[i].queue_blocks = q
             if table.fleet is not None:
                 # (table, candidate index): the row's terms are built when it is shown.
                 for i in table.eligible:

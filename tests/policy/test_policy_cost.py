@@ -280,3 +280,43 @@ def test_duplicate_cost_keeps_a_prefix_on_its_loaded_worker() -> None:
         assert d.endpoint == endpoint(winner)
         shown = [c[endpoint(i)].as_dict()["duplicate_blocks"] for i in range(2)]
         assert shown == ([0.0, 0.0] if dup == 0 else [0.0, 8.0])
+
+
+def test_queue_weight_prices_the_queue_the_duplicate_term_would_buy() -> None:
+    """The duplicate-cost example above: W0 (8 of 10 blocks cached, 6 prefill blocks
+    queued) wins 22 against 24. With queue_weight 0.5 its queue beyond W1's (6 blocks)
+    costs 0.5 x 1 x 6 = 3 more (25): the idle W1 wins; the rows show the queue blocks.
+    Off (0): the same costs as without the term and no queue shown."""
+    base = {"credit_decay": 0, "prefill_load_scale": 1.0, "duplicate_cost": 0.5}
+    for qw, winner, costs, queue in (
+        (0.0, 0, [22.0, 24.0], [0.0, 0.0]),
+        (0.5, 1, [25.0, 24.0], [6.0, 0.0]),
+    ):
+        s = make(2, options={**base, "queue_weight": qw})
+        k = keys(10)
+        hold(s.index, endpoint(0), k[:8])
+        set_load(s, 0, prefill=6, decode=4)
+        d = s.policy.decide(request(k), list(s.pool))
+        c = by_ep(d)
+        assert [c[endpoint(i)].cost for i in range(2)] == costs
+        assert d.endpoint == endpoint(winner)
+        assert [c[endpoint(i)].as_dict()["queue_blocks"] for i in range(2)] == queue
+
+
+def test_queue_weight_is_not_cut_by_the_continuity_discount() -> None:
+    """Continuity multiplies the previous turn's worker's cost by 1 - continuity, queue
+    included; the queue term comes after it, at full price. W0 holds the whole 10-block
+    prompt (the previous turn, no session id) with 30 prefill blocks queued; W1 is idle.
+    Without the term W0 wins: 0.4 x ((30 + 10 - 10) + 10) = 16 against 20. With
+    queue_weight 1: 16 + 30 = 46, and W1 wins."""
+    base = {"credit_decay": 0, "prefill_load_scale": 1.0, "continuity": 0.6}
+    for qw, winner in ((0.0, 0), (1.0, 1)):
+        s = make(2, options={**base, "queue_weight": qw})
+        k = keys(10)
+        hold(s.index, endpoint(0), k)
+        set_load(s, 0, prefill=30)
+        d = s.policy.decide(request(k), list(s.pool))
+        c = by_ep(d)
+        assert c[endpoint(0)].cost == pytest.approx(16.0 + 30.0 * qw)
+        assert c[endpoint(1)].cost == pytest.approx(20.0)
+        assert d.endpoint == endpoint(winner)

@@ -153,6 +153,10 @@ class _Req:
     first: float = -1.0
     done: float = -1.0
     remaining: int = 0
+    admitted: float = -1.0  # start of its prefill step (queue = admitted - arrival)
+    # On arrival: requests already waiting there, and whether a prefill step was running.
+    ahead: int = 0
+    in_prefill: bool = False
 
 
 def _request_keys(r: _Req) -> list[int]:
@@ -188,6 +192,8 @@ class _SimWorker:
             # The engine rejects what can never fit its KV pool (HTTP 400 in the sim).
             self.sim.error(r, now)
             return
+        r.ahead = len(self.waiting)
+        r.in_prefill = bool(self.admitted)
         self.waiting.append(r)
         if self.step_end < 0:
             self.start_step(now)
@@ -256,6 +262,7 @@ class _SimWorker:
         if a.stored:
             self.sim.feed_store(self.endpoint, a.stored)
         a.request.remaining = a.request.output_tokens
+        a.request.admitted = self.sim.now
 
     def _schedule(self, end: float) -> None:
         self.step_end = end
@@ -429,6 +436,9 @@ class _Replay:
     def result(self) -> PolicyResult:
         done = [r for r in self.reqs if r.first >= 0]
         ttft = [(r.first - r.arrival) * 1000.0 for r in done]
+        # Where the TTFT went: waiting in the engine's queue for a step, then the step.
+        queue = [(r.admitted - r.arrival) * 1000.0 for r in done]
+        step = [(r.first - r.admitted) * 1000.0 for r in done]
         q = sum(w.cache.queries_tokens for w in self.workers.values())
         h = sum(w.cache.hits_tokens for w in self.workers.values())
         t0 = min((r.arrival for r in self.reqs), default=0.0)
@@ -445,6 +455,20 @@ class _Replay:
             errors=self.errors,
             extra={
                 "ttft_mean_ms": round(sum(ttft) / len(ttft), 2) if ttft else 0.0,
+                "queue_p50_ms": round(percentile(queue, 50), 2),
+                "queue_mean_ms": round(sum(queue) / len(queue), 2) if queue else 0.0,
+                "queued_share": (
+                    round(sum(q > 0.0 for q in queue) / len(queue), 3) if queue else 0.0
+                ),
+                "queue_p90_ms": round(percentile(queue, 90), 2),
+                # Arrived behind another request's prefill: waiting ones, or a prefill step.
+                "behind_prefill_share": (
+                    round(sum(r.ahead > 0 or r.in_prefill for r in done) / len(done), 3)
+                    if done
+                    else 0.0
+                ),
+                "prefill_p50_ms": round(percentile(step, 50), 2),
+                "prefill_mean_ms": round(sum(step) / len(step), 2) if step else 0.0,
                 "reasons": dict(sorted(self.reasons.items())),
                 "prompt_tokens_per_worker": [int(x) for x in per_worker],
                 "evictions": sum(w.cache.evictions for w in self.workers.values()),
