@@ -39,7 +39,7 @@ from scorer.extproc.transport import H2Connection  # noqa: E402
 from scorer.extproc.transport import frames as F  # noqa: E402
 
 
-class CountingTransport(asyncio.Transport):
+class CountingTransport(pd.QuietTransport):
     """Counts writes; sends nothing."""
 
     def __init__(self) -> None:
@@ -48,21 +48,6 @@ class CountingTransport(asyncio.Transport):
 
     def write(self, data: Any) -> None:
         self.writes += 1
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def close(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
 
 
 async def settle() -> None:
