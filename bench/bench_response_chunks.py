@@ -1,14 +1,16 @@
 """What streaming response bodies through ext_proc costs, per chunk.
 
-    .venv/bin/python bench/bench_response_chunks.py [--chunks 1000] [--streams 5]
-        [--transport asyncio,grpcio] [--event-loop uvloop,asyncio]
+    .venv/bin/python bench/bench_response_chunks.py [--quick] [--chunks 1000] [--streams 5]
+        [--concurrency 1] [--transport asyncio,grpcio] [--event-loop uvloop,asyncio]
 
 Processes (all real, loopback): an SSE backend that sends `--chunks` events paced
 ~0.2 ms apart (each event is one chunk; it carries its send time), `kv-scorer serve`
 (its own process, so its CPU time is read from /proc) and two Envoys in front of it:
 `bodies` (response_body_mode FULL_DUPLEX_STREAMED: every chunk goes to the scorer and
 back) and `no-bodies` (response_body_mode NONE, otherwise identical). The two are run in
-alternating rounds so machine noise hits both. Once per `--transport`
+alternating rounds so machine noise hits both; `--concurrency N` runs N streams at once
+in each round (one scorer connection per Envoy worker carries them all, so several
+chunks can share one socket wake-up, as under load). Once per `--transport`
 (`server.extproc_transport`) and per `--event-loop` (`server.event_loop` of the scorer
 process; default uvloop, as `kv-scorer serve`; `uvloop,asyncio` is an A/B in one run).
 
@@ -16,8 +18,8 @@ Per setting: per-chunk latency (client arrival - backend send, p50/p99 over all 
 the scorer's CPU time per stream, the ext_proc messages Envoy sent per stream; derived:
 added latency per chunk (bodies - no-bodies, p50) and scorer CPU per response chunk
 ((CPU bodies - CPU no-bodies) / body messages). Prints a table and writes
-bench/out/response_chunks.json. Targets (issue 10): ≤ 15 µs scorer CPU per chunk;
-added latency ≤ 2x Envoy's own per-chunk time (the no-bodies p50).
+bench/out/response_chunks.json. `--quick`: 500 chunks, 3 streams. Targets (issue 10):
+≤ 15 µs scorer CPU per chunk; added latency ≤ 2x Envoy's own per-chunk time (the no-bodies p50).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def msgs_sent(envoy: EnvoyProcess) -> int:
 
 
 async def bench_transport(
-    transport: str, event_loop: str, backend: str, streams: int, chunks: int
+    transport: str, event_loop: str, backend: str, streams: int, chunks: int, concurrency: int = 1
 ) -> dict[str, Any]:
     scorer, extproc_port = bx.start_scorer(backend, True, transport, event_loop)
     try:
@@ -114,7 +116,11 @@ async def bench_transport(
             for _ in range(streams):
                 for mode, e in envoys.items():
                     m0, (u0, s0) = msgs_sent(e), bx.cpu_split(scorer.pid)
-                    lat[mode] += await one_stream(e.listener_port)
+                    got = await asyncio.gather(
+                        *(one_stream(e.listener_port) for _ in range(concurrency))
+                    )
+                    for g in got:
+                        lat[mode] += g
                     u1, s1 = bx.cpu_split(scorer.pid)
                     cpu[mode] += u1 - u0 + s1 - s0
                     sys_cpu[mode] += s1 - s0
@@ -128,8 +134,10 @@ async def bench_transport(
         "transport": transport,
         "event_loop": event_loop,
         "streams": streams,
+        "concurrency": concurrency,
         "chunks": chunks,
     }
+    streams *= concurrency  # per-stream figures below are per response stream
     for mode in lat:
         out[mode] = {
             "chunk_latency_p50_us": round(statistics.median(lat[mode]) * 1e6, 1),
@@ -155,6 +163,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=1000)
     ap.add_argument("--streams", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, default=1, help="streams at once per round")
+    ap.add_argument("--quick", action="store_true", help="--chunks 500 --streams 3")
     ap.add_argument("--transport", default="asyncio,grpcio")
     ap.add_argument(
         "--event-loop",
@@ -163,6 +173,8 @@ def main() -> int:
     )
     ap.add_argument("--serve-backend", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.chunks, args.streams = 500, 3
     if args.serve_backend:
         backend_main(0, args.chunks)
         return 0
@@ -178,10 +190,13 @@ def main() -> int:
         transports = [x.strip() for x in args.transport.split(",") if x.strip()]
         loops = [x.strip() for x in args.event_loop.split(",") if x.strip()]
         for loop, t in itertools.product(loops, transports):
-            r = asyncio.run(bench_transport(t, loop, backend, args.streams, args.chunks))
+            r = asyncio.run(
+                bench_transport(t, loop, backend, args.streams, args.chunks, args.concurrency)
+            )
             results.append(r)
             print(
-                f"{t:8s} {loop:7s} chunk p50 bodies {r['bodies']['chunk_latency_p50_us']:8.1f} µs  "
+                f"{t:8s} {loop:7s} c={args.concurrency} "
+                f"chunk p50 bodies {r['bodies']['chunk_latency_p50_us']:8.1f} µs  "
                 f"no-bodies {r['no-bodies']['chunk_latency_p50_us']:8.1f} µs  "
                 f"added {r['added_latency_per_chunk_p50_us']:7.1f} µs  "
                 f"scorer CPU/chunk {r['scorer_cpu_us_per_chunk']} µs "

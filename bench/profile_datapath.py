@@ -103,20 +103,9 @@ class Clock:
         return timed
 
 
-class SocketTransport(asyncio.Transport):
-    """The connection's transport: writes go to a real loopback TCP socket."""
-
-    def __init__(self, sock: socket.socket, clock: Clock) -> None:
-        super().__init__()
-        self.sock = sock
-        self.clock = clock
-        self.writes = 0
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        t0 = self.clock.enter()
-        self.sock.sendall(data)
-        self.writes += 1
-        self.clock.leave("write", t0)
+class QuietTransport(asyncio.Transport):
+    """A transport with no peer behind it: never closes, never pauses; subclasses say
+    what a write does."""
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
@@ -132,6 +121,22 @@ class SocketTransport(asyncio.Transport):
 
     def resume_reading(self) -> None:
         pass
+
+
+class SocketTransport(QuietTransport):
+    """The connection's transport: writes go to a real loopback TCP socket."""
+
+    def __init__(self, sock: socket.socket, clock: Clock) -> None:
+        super().__init__()
+        self.sock = sock
+        self.clock = clock
+        self.writes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        t0 = self.clock.enter()
+        self.sock.sendall(data)
+        self.writes += 1
+        self.clock.leave("write", t0)
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:

@@ -120,8 +120,29 @@ def body_chunk(raw: bytes, field: int = REQ_RESPONSE_BODY) -> tuple[bytes, bool,
     valid wire type are skipped, as the protobuf parser does; `metadata_context` is
     returned unparsed for the caller to validate (the protobuf path would reject a bad
     one)."""
-    pos = 0
     end = len(raw)
+    # The shape Envoy sends for a chunk: the HttpBody alone, holding a non-empty body and
+    # end_of_stream when set (`{field} LEN {body 1 LEN ...} [end_of_stream 2 = 1]`), each
+    # length in one or two varint bytes. Read here without the general loop.
+    if end > 4 and raw[0] == (field << 3) | _LEN:
+        n = raw[1]
+        pos = 2
+        if n >= 0x80 and raw[2] < 0x80:
+            n = (n & 0x7F) | (raw[2] << 7)
+            pos = 3
+        if (n < 0x80 or pos == 3) and n > 1 and pos + n == end and raw[pos] == 0x0A:
+            m = raw[pos + 1]
+            q = pos + 2
+            if m >= 0x80 and q < end and raw[q] < 0x80:
+                m = (m & 0x7F) | (raw[q] << 7)
+                q += 1
+            if m and (m < 0x80 or q == pos + 3):
+                after = q + m
+                if after == end:
+                    return raw[q:after], False, b""
+                if after + 2 == end and raw[after] == 0x10 and raw[after + 1] == 1:
+                    return raw[q:after], True, b""
+    pos = 0
     body_at = -1
     meta = b""
     try:

@@ -15,13 +15,17 @@ Layout (built for 64+ workers and millions of blocks):
 * speculative entries (a request just routed there; its blocks are being computed) live in
   their own key → bitmask dict with a per-slot expiry, and count as GPU blocks.
 
-`match` looks every prompt key up in the GPU dict with C-level iteration (`map(dict.get)`),
-finds where the holder mask changes in C (`map(ne)` + `compress`) and runs Python code only
-per change (an AND, and the workers that drop out there), so a 256-block prompt costs ~256
-dict lookups plus O(workers) whatever the worker count. The CPU and disk dicts are only
-read when one of the prompt's keys is in them (one C-level `isdisjoint` scan), and then only
-the positions with a CPU/disk copy get Python work: O(blocks + non-GPU holders).
-A worker's count is its longest *contiguous* prefix: the first missing block freezes it.
+`match` runs compiled when `scorer.native` is built (`gpu_depths`, `media_depths`): one C
+pass reads each prompt key's GPU, speculative (and, when present, CPU/disk) masks as the
+64-bit words of the candidates' slot mask, tracks the slots still holding every block so
+far and stops at the first block none holds: ~one dict lookup per matched block, O(workers)
+to list the depths. The Python path (the reference, `BlockIndex(native=False)`) looks every
+prompt key up in the GPU dict with C-level iteration (`map(dict.get)`), finds where the
+holder mask changes in C (`map(ne)` + `compress`) and runs Python code only per change (an
+AND, and the workers that drop out there). The CPU and disk dicts are only read when one of
+the prompt's keys is in them, and then only the positions with a CPU/disk copy get Python
+work: O(blocks + non-GPU holders). A worker's count is its longest *contiguous* prefix: the
+first missing block freezes it.
 
 Modules (one job each): `block_index` (BlockIndex: updates, queries, introspection),
 `slots` (worker slots and their bits), `masks` (holder bitmasks, shared mask objects,

@@ -69,8 +69,11 @@ class BlockIndex:
         self._spec = self._specs.masks
         self._masks = MaskCache()
         self._matches = _match.MatchCache(self._wg)
+        self._media_cache: dict[tuple[int, int, int], Match] = {}
         # The compiled GPU-only lookup (gather + depths in one pass) with the compiled maps.
         self._gpu_depths = getattr(NATIVE, "gpu_depths", None) if self.native else None
+        self._media_depths = getattr(NATIVE, "media_depths", None) if self.native else None
+        self._depth_matches = getattr(NATIVE, "depth_matches", None) if self.native else None
         self.max_blocks = self.config.max_blocks_per_worker
         self.clock = time.monotonic
         _LIVE.add(self)
@@ -283,9 +286,22 @@ class BlockIndex:
             # One compiled pass (BlockIndex(native=False): the code below, the reference).
             counts = scan(keys, self._gpu, self._spec, self._cpu, self._disk, allowed)
             if counts is not None:
+                by_depth = self._depth_matches
+                if by_depth is not None and not table.ranked:
+                    cache = self._matches
+                    return by_depth(counts, table.bit_ep, cache, cache.make)  # type: ignore[no-any-return]
                 return _match.from_depths(
                     counts, table.bit_ep, table.ranked, self._wg, self._matches
                 )
+        media = self._media_depths
+        if media is not None:
+            # A block read has a CPU/disk copy: the compiled split by medium.
+            counts, n_cpu, n_disk = media(
+                keys, self._gpu, self._spec, self._cpu, self._disk, allowed
+            )
+            return _match.media_matches(
+                counts, n_cpu, n_disk, table.bit_ep, self._weights, self._media_cache
+            )
         zero = itertools.repeat(0)
         g = list(map(self._gpu.get, keys, zero))
         spec = self._spec

@@ -99,6 +99,15 @@ def with_media(
     """Matches from per-block GPU (+speculative), CPU and disk holder masks (`c`/`d` None
     when that medium is empty). A block on several media counts once, on its best one
     (GPU/speculative > CPU > DISK)."""
+    return media_matches(*media_depths(g, c, d, allowed), bit_ep, weights)
+
+
+def media_depths(
+    g: list[int], c: list[int] | None, d: list[int] | None, allowed: int
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """(slot bit -> leading blocks held on any medium, bit -> those held on CPU and not
+    GPU, bit -> those held on disk only), from the per-block holder masks (the reference
+    of the compiled `scorer.native` `media_depths`)."""
     n = len(g)
     # Positions with a CPU/disk copy anywhere (found in C); usually a few. Only those
     # get Python work: their combined mask, then their split among the alive workers.
@@ -110,10 +119,10 @@ def with_media(
     for i in slow_pos:
         tot[i] = g[i] | (c[i] if c is not None else 0) | (d[i] if d is not None else 0)
     counts, starts, run_alive = depths(tot, allowed)
-    if not counts:
-        return {}
     n_cpu: dict[int, int] = {}
     n_disk: dict[int, int] = {}
+    if not counts:
+        return counts, n_cpu, n_disk
     end = max(counts.values())
     for i in slow_pos:
         if i >= end:
@@ -127,26 +136,42 @@ def with_media(
                 n_cpu[b] = n_cpu.get(b, 0) + 1
             else:
                 n_disk[b] = n_disk.get(b, 0) + 1
+    return counts, n_cpu, n_disk
+
+
+def media_matches(
+    counts: dict[int, int],
+    n_cpu: dict[int, int],
+    n_disk: dict[int, int],
+    bit_ep: Sequence[str],
+    weights: tuple[float, float, float],
+    cache: dict[tuple[int, int, int], Match] | None = None,
+) -> dict[str, Match]:
+    """endpoint -> Match from `media_depths`' split. `cache`: (blocks, CPU, disk) -> Match
+    for these `weights`, kept across lookups (bounded by MATCH_CACHE; None: this lookup's)."""
     out: dict[str, Match] = {}
     wg, wc, wd = weights
-    shared: dict[tuple[int, int, int], Match] = {}  # one Match per distinct split
+    if cache is None:
+        cache = {}
     for b, cnt in counts.items():
         nc = n_cpu.get(b, 0)
         nd = n_disk.get(b, 0)
+        m = cache.get((cnt, nc, nd))
+        if m is None:
+            ng = cnt - nc - nd
+            m = Match(
+                cnt,
+                {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
+                ng * wg + nc * wc + nd * wd,
+            )
+            if len(cache) >= MATCH_CACHE:
+                cache.clear()
+            cache[cnt, nc, nd] = m
         ep = bit_ep[b]
         cur = out.get(ep)
-        ng = cnt - nc - nd
-        weighted = ng * wg + nc * wc + nd * wd
         # dp ranks of one endpoint keep separate caches and a request is served by one of
         # them, so the endpoint is worth its best rank: most blocks, then the best media (a
         # GPU copy on one rank beats a CPU copy on another). Never a sum.
-        if cur is None or (cnt, weighted) > (cur.blocks, cur.weighted):
-            m = shared.get((cnt, nc, nd))
-            if m is None:
-                m = shared[cnt, nc, nd] = Match(
-                    cnt,
-                    {k: v for k, v in (("GPU", ng), ("CPU", nc), ("DISK", nd)) if v},
-                    weighted,
-                )
+        if cur is None or (cnt, m.weighted) > (cur.blocks, cur.weighted):
             out[ep] = m
     return out

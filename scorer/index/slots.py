@@ -80,6 +80,8 @@ class SlotTable:
         self.all_mask = 0
         self.ranked = False  # True once an endpoint has a second slot (dp rank)
         self.free: list[int] = []  # released bits (a heap: the lowest is reused first)
+        # `allowed`'s last answer: (endpoints, mask), dropped when a slot is made or freed.
+        self._last: tuple[list[str], int] | None = None
 
     def get(self, endpoint: str, rank: int | None) -> Slot | None:
         """The slot of (endpoint, rank), or None."""
@@ -107,6 +109,7 @@ class SlotTable:
             self.ep_mask[endpoint] = self.ep_mask.get(endpoint, 0) | (1 << bit)
             self.ep_slots[endpoint] = self.ep_slots.get(endpoint, 0) + 1
             self.all_mask |= 1 << bit
+            self._last = None
         return s
 
     def release(self, endpoint: str) -> list[Slot]:
@@ -120,6 +123,7 @@ class SlotTable:
             self.all_mask &= ~(1 << s.bit)
             heapq.heappush(self.free, s.bit)
         if gone:
+            self._last = None
             del self.ep_mask[endpoint]
             del self.ep_slots[endpoint]
         return gone
@@ -132,8 +136,15 @@ class SlotTable:
         """Mask of the slots of `endpoints`, or of every slot when None."""
         if endpoints is None:
             return self.all_mask
+        last = self._last
+        # Decisions ask for the same candidates again and again: one list comparison (its
+        # strings are the same objects) instead of one lookup per endpoint.
+        if last is not None and type(endpoints) is list and endpoints == last[0]:
+            return last[1]
         mask = 0
         epm = self.ep_mask
         for ep in endpoints:
             mask |= epm.get(ep, 0)
+        if type(endpoints) is list:
+            self._last = (endpoints.copy(), mask)
         return mask

@@ -82,3 +82,14 @@ def gpu_depths(
     disk: dict[int, int],
     allowed: int,
 ) -> dict[int, int] | None: ...
+def media_depths(
+    keys: Sequence[int],
+    gpu: dict[int, int],
+    spec: dict[int, int],
+    cpu: dict[int, int],
+    disk: dict[int, int],
+    allowed: int,
+) -> tuple[dict[int, int], dict[int, int], dict[int, int]]: ...
+def depth_matches(
+    counts: dict[int, int], bit_ep: list[str], cache: dict[int, Any], make: Callable[[int], Any]
+) -> dict[str, Any]: ...

@@ -1215,6 +1215,135 @@ def gpu_depths(keys, dict gpu, dict spec, dict cpu, dict disk, allowed):
             PyMem_Free(buf)
 
 
+def depth_matches(dict counts, list bit_ep, cache, make):
+    """`match.from_depths` without dp ranks: endpoint -> the Match of its depth, from slot
+    bit -> depth, taking each Match from `cache` (a dict, depth -> Match) or `make(depth)`."""
+    cdef dict out = {}
+    if not isinstance(cache, dict):
+        raise TypeError("cache must be a dict")
+    cdef PyObject* m
+    cdef object b, c, got
+    for b, c in counts.items():
+        m = PyDict_GetItemWithError(cache, c)
+        if m == NULL:
+            got = make(c)
+        else:
+            got = <object>m
+        out[bit_ep[b]] = got
+    return out
+
+
+def media_depths(keys, dict gpu, dict spec, dict cpu, dict disk, allowed):
+    """`match.media_depths` (the reference) in one pass: per block of `keys`, its holders on
+    GPU (`gpu` OR `spec`), CPU (`cpu`) and disk (`disk`); returns (slot bit -> leading
+    blocks held on any medium, in `masks.depths`' order; bit -> those blocks held on CPU and
+    not GPU; bit -> those held on disk only), among the bits of `allowed` (an int >= 0).
+    Stops at the first block no allowed slot holds."""
+    cdef list ks = keys if type(keys) is list else list(keys)
+    cdef Py_ssize_t n = len(ks), i, w, nw, b, nb
+    cdef dict counts = {}, n_cpu = {}, n_disk = {}
+    if allowed < 0:
+        raise ValueError("allowed must be >= 0")
+    nw = (allowed.bit_length() + 63) // 64
+    if nw == 0 or n == 0:
+        return counts, n_cpu, n_disk
+    nb = 64 * nw
+    cdef uint64_t* buf = <uint64_t*>PyMem_Malloc((6 * nw + 2 * nb) * sizeof(uint64_t))
+    if buf == NULL:
+        raise MemoryError()
+    cdef uint64_t* al = buf
+    cdef uint64_t* alive = buf + nw
+    cdef uint64_t* gw = buf + 2 * nw
+    cdef uint64_t* cw = buf + 3 * nw
+    cdef uint64_t* dw = buf + 4 * nw
+    cdef uint64_t* tmp = buf + 5 * nw
+    cdef uint64_t* ncpu = buf + 6 * nw
+    cdef uint64_t* ndisk = ncpu + nb
+    cdef bint has_spec = len(spec) > 0, has_cpu = len(cpu) > 0, has_disk = len(disk) > 0
+    cdef bint changed, any_alive, slow
+    cdef PyObject* m
+    cdef object k, depth
+    cdef uint64_t x, gone, cur
+    try:
+        memset(ncpu, 0, 2 * nb * sizeof(uint64_t))
+        _mask_words(allowed, al, NULL, nw)
+        for w in range(nw):
+            alive[w] = al[w]
+        for i in range(n):
+            k = ks[i]
+            m = PyDict_GetItemWithError(gpu, k)
+            if m == NULL:
+                memset(gw, 0, nw * sizeof(uint64_t))
+            else:
+                _mask_words(<object>m, gw, al, nw)
+            if has_spec:
+                m = PyDict_GetItemWithError(spec, k)
+                if m != NULL:
+                    _mask_words(<object>m, tmp, al, nw)
+                    for w in range(nw):
+                        gw[w] |= tmp[w]
+            slow = False
+            m = PyDict_GetItemWithError(cpu, k) if has_cpu else NULL
+            if m == NULL:
+                memset(cw, 0, nw * sizeof(uint64_t))
+            else:
+                _mask_words(<object>m, cw, al, nw)
+                slow = True
+            m = PyDict_GetItemWithError(disk, k) if has_disk else NULL
+            if m == NULL:
+                memset(dw, 0, nw * sizeof(uint64_t))
+            else:
+                _mask_words(<object>m, dw, al, nw)
+                slow = True
+            changed = False
+            for w in range(nw):
+                cur = gw[w] | cw[w] | dw[w]
+                if alive[w] & cur != alive[w]:
+                    changed = True
+                    break
+            if changed:
+                depth = i
+                any_alive = False
+                for w in range(nw):
+                    cur = gw[w] | cw[w] | dw[w]
+                    if i:  # a slot without block 0 matches nothing: not in the result
+                        gone = alive[w] & ~cur
+                        while gone:
+                            counts[w * 64 + kv_ctz64(gone)] = depth
+                            gone &= gone - 1
+                    alive[w] &= cur
+                    if alive[w]:
+                        any_alive = True
+                if not any_alive:
+                    break
+            if slow:
+                # Slots still counting block i that hold it on CPU/disk only: its best medium.
+                for w in range(nw):
+                    x = (cw[w] | dw[w]) & ~gw[w] & alive[w]
+                    while x:
+                        b = w * 64 + kv_ctz64(x)
+                        if cw[w] >> (b - w * 64) & 1:
+                            ncpu[b] += 1
+                        else:
+                            ndisk[b] += 1
+                        x &= x - 1
+        else:
+            depth = n
+            for w in range(nw):
+                x = alive[w]
+                while x:
+                    counts[w * 64 + kv_ctz64(x)] = depth
+                    x &= x - 1
+        for b in range(nb):
+            if ncpu[b]:
+                n_cpu[b] = <Py_ssize_t>ncpu[b]
+            if ndisk[b]:
+                n_disk[b] = <Py_ssize_t>ndisk[b]
+        return counts, n_cpu, n_disk
+    finally:
+        PyMem_Free(buf)
+
+
 # -- Token-id prompts (scorer.tokens.service.Tokenization._ids_bytes is the reference) -----
 
 def ids_u32_bytes(list ids):

@@ -740,6 +740,67 @@ async def test_work_deferred_by_a_fast_answer_runs_after_the_answer_is_written()
     assert ("grpc-status", "2") in Decoder().decode(payload)
 
 
+async def test_a_fast_answerer_that_fails_ends_its_stream_with_unknown() -> None:
+    """A `fast` answerer that raises on a message read alone (the frame loop's lane,
+    H2Connection.one_message) or among other frames ends its stream with UNKNOWN, as a
+    failing handler does; the message's bytes are released and its credit returned, and
+    the connection keeps serving its other streams."""
+    from test_wire import Recorder
+
+    from scorer.extproc.transport import H2Connection
+
+    async def handler(_: Any, s: H2Stream) -> None:
+        def fast(raw: bytes) -> bool:
+            if raw == b"boom":
+                raise RuntimeError("answerer failed")
+            assert s.write_now(raw)
+            return True
+
+        await s.write(await s.read())
+        s.on_message(fast)
+        while await s.read() is not EOF_:
+            pass
+
+    block = Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", PATH), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers")]
+    )  # fmt: skip
+
+    def msg(sid: int, m: bytes) -> bytes:
+        return T.frame(T.DATA, 0, sid, struct.pack(">BI", 0, len(m)) + m)
+
+    for alone in (True, False):
+        t = Recorder()
+        server = H2GrpcServer()
+        server.add_handler(PATH, handler)
+        conn = H2Connection(server)
+        conn.connection_made(t)
+        conn.data_received(T.PREFACE + T.frame(T.SETTINGS, 0, 0, b""))
+        for sid in (1, 3):
+            conn.data_received(T.frame(T.HEADERS, T.END_HEADERS, sid, block) + msg(sid, b"hi"))
+        for _ in range(100):  # bounded: until both handlers have installed their answerer
+            if all(s.fast is not None for s in conn.streams.values()):
+                break
+            await asyncio.sleep(0)
+        assert len(conn.streams) == 2
+        if alone:
+            conn.data_received(msg(1, b"boom"))
+        else:
+            conn.data_received(msg(3, b"ok") + msg(1, b"boom"))
+        assert 1 not in conn.streams and 3 in conn.streams
+        assert conn.buffered == 0 and conn.recv_unacked == conn.conn_credit
+        heads = [f for f in _frames(bytes(t.out)) if f[0] == T.HEADERS and f[2] == 1]
+        from hpack import Decoder
+
+        dec = Decoder()
+        got = [dec.decode(f[3]) for f in heads]
+        assert ("grpc-status", "2") in got[-1]
+        conn.data_received(msg(3, b"still"))
+        assert bytes(t.out).endswith(b"still")
+        conn.connection_lost(None)
+        await asyncio.sleep(0)
+
+
 def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
     out = []
     pos = 0

@@ -37,3 +37,16 @@ def test_profile_reports_every_message_and_stage(tmp_path: Path, reference: bool
     # Body chunks are answered (encoded and written) and seen by the director on both paths.
     chunk = rows["response_body"]["stages_us_median"]
     assert chunk["encode"] > 0 and chunk["write"] > 0 and chunk["director"] > 0
+
+
+def test_chunk_loop_answers_every_chunk_from_the_lane(tmp_path: Path) -> None:
+    """bench/profile_chunk_loop.py: every chunk answered (one write each), a CPU figure."""
+    out = tmp_path / "loop.json"
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "profile_chunk_loop.py"), "--chunks", "300",
+        "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    doc = json.loads(out.read_text())
+    assert doc["answered"] == doc["chunks"] == 300
+    assert doc["cpu_us_per_chunk"] > 0

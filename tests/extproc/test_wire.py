@@ -308,6 +308,8 @@ async def exchange(
     reads: list[int],
     taken: list[bool] | None = None,
     window: int = 1 << 24,
+    per_frame: bool = False,
+    state: dict[str, int] | None = None,
 ) -> tuple[bytes, bytes]:
     """One ext_proc stream through a fresh connection: the request (routed), then `msgs`
     as the response phase, then the end of the stream. Returns (bytes written during the
@@ -359,6 +361,7 @@ async def exchange(
         s.fast = counted
     request_part = bytes(t.out)
     t.out.clear()
+    at_request_end = accounting(conn, s)
     parts = [grpc_frames(1, m, cuts[i:] + cuts[:i]) for i, m in enumerate(msgs)]
     if window < 1 << 16:
         # A small stream window: answers wait for the peer's WINDOW_UPDATEs, sent after
@@ -366,6 +369,13 @@ async def exchange(
         parts = [p + F.window_update(1, window // 4) for p in parts]
     stream = b"".join(parts) + F.frame(F.DATA, F.END_STREAM, 1)
     points_ = {r % (len(stream) + 1) for r in reads}
+    if per_frame:
+        # Also every frame in a read of its own, as Envoy's chunks arrive one by one
+        # (the transport's one-frame lane, H2Connection.one_message).
+        at = 0
+        for _ in frames(stream):
+            at += 9 + int.from_bytes(stream[at : at + 3], "big")
+            points_.add(at)
     if not all(parses(m) for m in msgs):
         # A message protobuf rejects ends the stream at once, dropping what the protobuf
         # path had queued unanswered from the same read (the fast path had answered it):
@@ -382,11 +392,26 @@ async def exchange(
             prev = p
             await settle(conn)
     await settle(conn)
+    if state is not None:
+        # What the response phase changed in the receive-side accounting (credit owed
+        # back, bytes held): batched WINDOW_UPDATEs hide a difference of a few bytes from
+        # the written frames.
+        for k, v in accounting(conn, s).items():
+            state[k] = v - at_request_end[k]
     tasks = [s.task for s in conn.streams.values() if s.task is not None]
     conn.connection_lost(None)
     if tasks:  # their director calls land in this exchange, not the next one
         await asyncio.wait(tasks, timeout=5)
     return request_part, bytes(t.out)
+
+
+def accounting(conn: H2Connection, s: Any) -> dict[str, int]:
+    """The receive-side accounting of a connection and one of its streams."""
+    names = ("recv_unacked", "conn_credit", "buffered", "owed", "big_sid")
+    got = {k: getattr(conn, k) for k in names}
+    for k in ("_unacked", "_credit", "_held", "_owed"):
+        got["stream" + k] = getattr(s, k)
+    return got
 
 
 def resp_headers_raw(status: str, eos: bool, served: str | None) -> bytes:
@@ -413,6 +438,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=st.lists(st.integers(0, 400), max_size=3),
     reads=st.lists(st.integers(0, 5000), max_size=4),
     window=st.sampled_from([1 << 24, 1 << 24, 400]),
+    per_frame=st.booleans(),
 )
 @example(  # plain streamed response: headers, two chunks, the last with end_of_stream
     duplex=True,
@@ -422,6 +448,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=[],
     reads=[],
     window=1 << 24,
+    per_frame=False,
 )
 @example(  # empty chunk, metadata on every chunk, unknown fields
     duplex=True,
@@ -435,6 +462,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=[],
     reads=[],
     window=1 << 24,
+    per_frame=False,
 )
 @example(  # messages split across DATA frames and the frames across reads
     duplex=True,
@@ -444,6 +472,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=[3, 7, 120],
     reads=[10, 11, 200, 4000],
     window=1 << 24,
+    per_frame=False,
 )
 @example(  # a small stream window: answers wait for WINDOW_UPDATEs, order kept
     duplex=True,
@@ -453,6 +482,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=[],
     reads=[],
     window=400,
+    per_frame=False,
 )
 @example(  # a malformed message ends the stream the same way on both
     duplex=True,
@@ -462,6 +492,7 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=[],
     reads=[],
     window=1 << 24,
+    per_frame=False,
 )
 @example(  # STREAMED / BUFFERED response modes: CONTINUE per chunk; headers ending the response
     duplex=False,
@@ -471,6 +502,37 @@ _chunk = st.tuples(SIZES, st.booleans(), st.sampled_from(sorted(EXTRAS)), INNER)
     cuts=[],
     reads=[],
     window=1 << 24,
+    per_frame=False,
+)
+@example(  # every chunk in a read of its own: the one-frame lane answers them
+    duplex=True,
+    headers=("200", False, True),
+    chunks=[(5, False, "none", b""), (200, False, "metadata served", b""), (7, True, "none", b"")],
+    trailers=True,
+    cuts=[],
+    reads=[],
+    window=1 << 24,
+    per_frame=True,
+)
+@example(  # one frame per read, a small stream window: the lane steps aside, order kept
+    duplex=True,
+    headers=("200", False, False),
+    chunks=[(100, False, "none", b""), (300, False, "none", b""), (5, True, "none", b"")],
+    trailers=False,
+    cuts=[],
+    reads=[],
+    window=400,
+    per_frame=True,
+)
+@example(  # one frame per read, a message split over frames and a malformed one
+    duplex=True,
+    headers=("200", False, False),
+    chunks=[(300, False, "none", b""), (4, False, "metadata malformed", b"")],
+    trailers=False,
+    cuts=[40],
+    reads=[],
+    window=1 << 24,
+    per_frame=True,
 )
 def test_fast_path_answers_byte_identical_to_protobuf_path(
     rig: Any,
@@ -481,6 +543,7 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
     cuts: list[int],
     reads: list[int],
     window: int,
+    per_frame: bool,
 ) -> None:
     loop, app, calls = rig
     status, eos, served = headers
@@ -494,11 +557,26 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
     results = []
     for fast in (True, False):
         calls.clear()
+        state: dict[str, int] = {}
         req, resp = loop.run_until_complete(
-            exchange(app, fast, f"r-{fast}", mode, msgs, cuts, reads, window=window)
+            exchange(
+                app,
+                fast,
+                f"r-{fast}",
+                mode,
+                msgs,
+                cuts,
+                reads,
+                window=window,
+                per_frame=per_frame,
+                state=state,
+            )
         )
-        results.append((req, answers(resp), list(calls)))
-    (req_f, (ans_f, credit_f), calls_f), (req_r, (ans_r, credit_r), calls_r) = results
+        results.append((req, answers(resp), list(calls), state))
+    (req_f, (ans_f, credit_f), calls_f, state_f), (req_r, (ans_r, credit_r), calls_r, state_r) = (
+        results
+    )
+    assert state_f == state_r
     assert req_f == req_r
     assert ans_f == ans_r
     assert credit_f == credit_r
@@ -525,3 +603,31 @@ def test_plain_response_is_answered_entirely_by_the_fast_path(rig: Any, duplex: 
     started = [c for c in calls if c[0] == "response_started"]
     assert started[-1][1] == (200, "1.2.3.4:8", "text/event-stream", True)
     assert calls[-1][0] == "response_ended"
+
+
+def test_chunks_read_one_by_one_take_the_frame_loop_lane(rig: Any, monkeypatch: Any) -> None:
+    """A chunk arriving alone (Envoy forwards each as it comes) is answered by the
+    connection's one-frame lane (H2Connection.one_message): on_data_frame sees only the
+    frames the lane leaves to it (the request's two messages, before the answerer is
+    installed, and the empty END_STREAM frame)."""
+    loop, app, _ = rig
+    msgs = [resp_headers_raw("200", False, None)]
+    msgs += [chunk_raw(_body(n, n), n == 40, "none") for n in (3, 10, 40)]
+    seen: list[int] = []
+    general = H2Connection.on_data_frame
+
+    def counted(self: H2Connection, flags: int, sid: int, payload: Any) -> bool:
+        seen.append(len(payload))
+        return general(self, flags, sid, payload)
+
+    taken: list[bool] = []
+    monkeypatch.setattr(H2Connection, "on_data_frame", counted)
+    _, resp = loop.run_until_complete(
+        exchange(app, True, "lane", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken, per_frame=True)
+    )
+    assert taken == [True] * len(msgs)
+    assert len(seen) == 3 and seen[-1] == 0
+    got = [f for f in answers(resp)[0] if f[0] == F.DATA]
+    assert len(got) == len(msgs)
+    last = ep.ProcessingResponse.FromString(got[-1][3][5:])
+    assert last.response_body.response.body_mutation.streamed_response.end_of_stream

@@ -216,3 +216,23 @@ def test_release_then_reuse_equals_never_having_had_the_worker(
     assert idx.total_entries() == ref.total_entries()
     _check_bits(idx)
     assert len(idx._table.by_bit) <= len(ref._table.by_bit) + len(victim_bits)
+
+
+def test_allowed_mask_follows_slots_made_and_freed() -> None:
+    # The candidates' slot mask is remembered for the same endpoint list; a new slot (a dp
+    # rank, a worker) or a released one must not leave a stale mask behind.
+    idx = BlockIndex()
+    table = idx._table
+    eps = ["a", "b"]
+    idx.add("a", 0, [1], KEYS[:1])
+    assert table.allowed(eps) == 0b1
+    idx.add("b", 0, [2], KEYS[:1])
+    assert table.allowed(eps) == 0b11
+    idx.add("a", 1, [3], KEYS[:1])  # a second rank of a
+    assert table.allowed(list(eps)) == 0b111
+    eps.append("c")  # the caller's list changed in place: still read afresh
+    idx.add("c", 0, [4], KEYS[:1])
+    assert table.allowed(eps) == 0b1111
+    idx.release("b")
+    assert table.allowed(eps) == 0b1101
+    assert {e: m.blocks for e, m in idx.match(KEYS[:1], eps).items()} == {"a": 1, "c": 1}

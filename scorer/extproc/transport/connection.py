@@ -290,6 +290,7 @@ class H2Connection(asyncio.BufferedProtocol):
         n = len(data)
         # Slices of a memoryview over immutable bytes: no copy per frame.
         view = memoryview(data)
+        streams = self.streams
         while n - pos >= 9:
             lt, flags, sid = HDR.unpack_from(data, pos)
             length = lt >> 8
@@ -299,8 +300,18 @@ class H2Connection(asyncio.BufferedProtocol):
             if n - pos < 9 + length:
                 self.need = 9 + length
                 break
-            payload = view[pos + 9 : pos + 9 + length]
-            pos += 9 + length
+            end = pos + 9 + length
+            if lt & 0xFF == DATA and not flags and length > 5 and not self.cont_sid:
+                # The streamed-response lane: a DATA frame without flags for a stream
+                # answered in the frame loop (H2Stream.on_message), Envoy forwarding a
+                # response chunk. `one_message` answers it or changes nothing (then
+                # on_frame takes the same frame).
+                s = streams.get(sid & 0x7FFFFFFF)
+                if s is not None and s.fast is not None and self.one_message(s, data, pos + 9, end):
+                    pos = end
+                    continue
+            payload = view[pos + 9 : end]
+            pos = end
             if self.on_frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, payload) is False:
                 return
         else:
@@ -470,6 +481,58 @@ class H2Connection(asyncio.BufferedProtocol):
                 self.owing.add(s)
             if self.big_sid == sid and not s._buf:
                 self.big_sid = 0  # its message is complete
+        return True
+
+    def one_message(self, s: H2Stream, data: bytes, start: int, end: int) -> bool:
+        """`on_data_frame` + `H2Stream.on_data` for one DATA frame without flags (payload
+        `data[start:end]`) holding exactly one whole uncompressed gRPC message,
+        while the stream's handler is parked in read() with nothing queued: the stream's
+        answerer gets the message at once. Returns False, having changed nothing, when any
+        of that does not hold, a window check would fail, or the answerer leaves the
+        message to the handler (it decides from the bytes and the send windows alone, so
+        the general path, asked again, decides the same). The accounting below is the
+        general path's for that case: the bytes are held and released in the same call,
+        their credit granted (or owed) as `on_data_frame` does."""
+        flow_len = end - start
+        if (
+            data[start]
+            or int.from_bytes(data[start + 1 : start + 5], "big") + 5 != flow_len
+            or flow_len - 5 > self.server.max_message
+            or s._half_closed
+            or s._buf
+            or s._msgs
+            or s._sizes is None
+            or s._unacked + flow_len > RECV_WINDOW
+            or self.recv_unacked + flow_len > CONN_RECV_WINDOW
+        ):
+            return False
+        w = s._waiter
+        fast = s.fast
+        if w is None or w.done() or fast is None:
+            return False
+        failed = False
+        try:
+            if not fast(bytes(data[start + 5 : end])):  # bytes(bytes) is no copy
+                return False
+        except Exception:
+            log.exception("ext_proc message handler failed")
+            failed = True
+        self.recv_unacked += flow_len
+        s._unacked += flow_len
+        if self.owed:
+            self.release(s, 0)  # held and released at once: only the owed credit moves
+        if failed:
+            s.finish(2, "Unexpected error")  # UNKNOWN, as for a handler
+            s.cancel_handler()
+        sid = s.sid
+        if self.buffered <= self.limits.max_buffered or self.big_sid == sid:
+            self.grant(s, flow_len)
+        else:
+            s._owed += flow_len
+            self.owed += flow_len
+            self.owing.add(s)
+        if self.big_sid == sid:
+            self.big_sid = 0  # its message is complete
         return True
 
     def grant(self, s: H2Stream, n: int) -> None:

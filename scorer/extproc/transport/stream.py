@@ -22,7 +22,6 @@ from scorer.extproc.transport.frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
-    HDR,
     HEADERS,
     NO_ERROR,
     frame,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("scorer.extproc.transport")
 EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # same sentinel as grpc.aio's read()
 MSG = struct.Struct(">BI")  # gRPC message prefix: compressed flag, length
+DATA_MSG = struct.Struct(">IBIBI")  # a DATA frame header (frames.HDR) then MSG
 
 
 class AbortStream(Exception):
@@ -188,7 +188,7 @@ class H2Stream:
             conn.reset_balance += 1  # an answered stream (rapid reset accounting)
             conn.send(frame(HEADERS, END_HEADERS, self.sid, RESPONSE_HEADERS))
         # One DATA frame: every ext_proc answer but large bodies.
-        conn.send(HDR.pack((n << 8) | DATA, 0, self.sid) + MSG.pack(0, n - 5) + data)
+        conn.send(DATA_MSG.pack((n << 8) | DATA, 0, self.sid, 0, n - 5) + data)
         conn.send_window -= n
         self.send_credit -= n
         return True
