@@ -185,6 +185,13 @@ DEVIATIONS: dict[str, tuple[Callable[[], Seq], tuple[str, int | None], tuple[str
         ("connection", F.FRAME_SIZE_ERROR),
         ("connection", F.PROTOCOL_ERROR),
     ),
+    # RFC 9113 §6.9: a stream error (PROTOCOL_ERROR) on a stream, a connection error only
+    # on the connection; h2 ends the connection for both.
+    "WINDOW_UPDATE of 0 on a stream": (
+        lambda: S().headers(1).wu(1, 0),
+        ("stream", None),
+        ("connection", F.PROTOCOL_ERROR),
+    ),
     # A bound of ours (Limits.max_settings_entries): h2 accepts any number of entries.
     "SETTINGS with 65 entries": (
         lambda: S().settings(*[(F.S_MAX_FRAME_SIZE, 16_384)] * 65),
@@ -238,8 +245,11 @@ def _build(ops: list[tuple[str, int, int, bool]]) -> bytes:
             s.msg(sid, b"x" * (n % 64), end=flag)
         elif kind == "data" and opened:
             s.data(sid, b"\0" * (n % 5), end=flag)
+        elif kind == "wu" and flag and opened:
+            # 0 on a stream is a documented deviation (DEVIATIONS), not generated.
+            s.wu(sid, n or 1)
         elif kind == "wu":
-            s.wu(sid if flag and opened else 0, n)
+            s.wu(0, n)
         elif kind == "ping":
             s.ping(b"p" * (8 if flag else n % 12))
         elif kind == "settings":
@@ -261,6 +271,8 @@ def _build(ops: list[tuple[str, int, int, bool]]) -> bytes:
 @example(ops=[("headers", 0, 0, False), ("msg", 0, 2, True)])
 # Found by hypothesis: DATA after the client's END_STREAM is RST_STREAM(STREAM_CLOSED).
 @example(ops=[("headers", 0, 0, True), ("msg", 0, 0, False)])
+# Found by hypothesis (full-suite order): WINDOW_UPDATE of 0 on a stream (see DEVIATIONS).
+@example(ops=[("headers", 0, 0, False), ("wu", 0, 0, True)])
 def test_generated_sequences_match_h2(generated: Any, ops: Any) -> None:
     loop, ports = generated
     payload = _build(ops)
