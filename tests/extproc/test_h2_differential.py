@@ -273,6 +273,8 @@ def _build(ops: list[tuple[str, int, int, bool]]) -> bytes:
 @example(ops=[("headers", 0, 0, True), ("msg", 0, 0, False)])
 # Found by hypothesis (full-suite order): WINDOW_UPDATE of 0 on a stream (see DEVIATIONS).
 @example(ops=[("headers", 0, 0, False), ("wu", 0, 0, True)])
+# Found by hypothesis: DATA after a stream ended inside a message and was answered.
+@example(ops=[("headers", 0, 0, False), ("data", 0, 1, True), ("msg", 0, 0, False)])
 def test_generated_sequences_match_h2(generated: Any, ops: Any) -> None:
     loop, ports = generated
     payload = _build(ops)

@@ -75,6 +75,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("scorer.extproc.transport")
 
 
+# Ended streams remembered per connection (bounded memory; older ones are ignored as any
+# closed stream's late frames are).
+ENDED_KEPT = 128
+
+
 class H2Connection(asyncio.BufferedProtocol):
     """One HTTP/2 connection from a gRPC client (Envoy). The socket reads into a buffer
     of its own (`get_buffer` / `buffer_updated`); `data_received` takes bytes from
@@ -93,6 +98,9 @@ class H2Connection(asyncio.BufferedProtocol):
         self.settings_seen = False  # the client's first SETTINGS (end of its handshake)
         self.streams: dict[int, H2Stream] = {}
         self.last_sid = 0
+        # Streams the peer had ended (END_STREAM) before we dropped them, newest last,
+        # at most ENDED_KEPT: DATA on one is STREAM_CLOSED, not a late frame to ignore.
+        self.ended: dict[int, None] = {}
         # Envoy sends the same header block for every ext_proc stream (indexed fields plus
         # a literal `:path` it never indexes): the decoder caches table-neutral blocks.
         self.decoder = HeaderDecoder(limits.max_header_list)
@@ -441,6 +449,9 @@ class H2Connection(asyncio.BufferedProtocol):
                 return self.abort_connection("DATA on an idle stream")  # RFC 9113 §5.1
             # A stream we closed (or reset): the data still used connection window.
             self.conn_credit_add(flow_len)
+            if sid in self.ended:
+                # The peer ended it: no DATA can follow (RFC 9113 §5.1, §6.1).
+                return self.stream_error(sid, STREAM_CLOSED)
             return True
         if s._half_closed:
             # DATA after the peer's END_STREAM (RFC 9113 §5.1, half-closed (remote)).
@@ -799,6 +810,11 @@ class H2Connection(asyncio.BufferedProtocol):
     def drop(self, s: H2Stream) -> None:
         """Remove a stream that ended (or was reset) and return its connection window."""
         self.streams.pop(s.sid, None)
+        if s._half_closed:
+            ended = self.ended
+            ended[s.sid] = None
+            if len(ended) > ENDED_KEPT:
+                del ended[next(iter(ended))]
         s.release()
         if self.goaway_sent and not self.streams:
             self.close_soon()
