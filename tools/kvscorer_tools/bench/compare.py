@@ -31,11 +31,8 @@ from kvscorer_tools.sim.scheduler import Admission
 from scorer.routing import RoutingRequest
 
 
-def replay_rows(
-    wl: Workload, keys: RequestKeys, policy: str, settings: ReplaySettings
-) -> list[dict[str, Any]]:
-    """One row per request: worker index, cached tokens, arrival/admitted/first (s)."""
-    rep = _Replay(wl, keys, policy, settings)
+def _record_cached(rep: _Replay) -> dict[int, int]:
+    """Request index → cached tokens at admission, filled as `rep` runs."""
     cached: dict[int, int] = {}
     for w in rep.workers.values():
         orig = w._admitted
@@ -45,6 +42,15 @@ def replay_rows(
             orig(a)
 
         w._admitted = hook  # type: ignore[method-assign]
+    return cached
+
+
+def replay_rows(
+    wl: Workload, keys: RequestKeys, policy: str, settings: ReplaySettings
+) -> list[dict[str, Any]]:
+    """One row per request: worker index, cached tokens, arrival/admitted/first (s)."""
+    rep = _Replay(wl, keys, policy, settings)
+    cached = _record_cached(rep)
     rep.run()
     order = list(rep.workers)
     return [
@@ -111,15 +117,7 @@ def follow_rows(
     (dry-run) choice per request."""
     forced = [(-1 if row is None else int(row["worker"])) for row in e2e]
     rep = _Follow(wl, keys, policy, settings, workers=[max(f, 0) for f in forced])
-    cached: dict[int, int] = {}
-    for w in rep.workers.values():
-        orig = w._admitted
-
-        def hook(a: Admission[Any], orig: Any = orig) -> None:
-            cached[a.request.idx] = a.cached_tokens
-            orig(a)
-
-        w._admitted = hook  # type: ignore[method-assign]
+    cached = _record_cached(rep)
     rep.run()
     order = list(rep.workers)
     rows = [
