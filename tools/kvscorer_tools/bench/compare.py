@@ -31,8 +31,9 @@ from kvscorer_tools.sim.scheduler import Admission
 from scorer.routing import RoutingRequest
 
 
-def _record_cached(rep: _Replay) -> dict[int, int]:
-    """Request index → cached tokens at admission, filled as `rep` runs."""
+def _run_rows(rep: _Replay) -> list[dict[str, Any]]:
+    """Run `rep`; one row per request: worker index, cached tokens at admission,
+    arrival/admitted/first (s)."""
     cached: dict[int, int] = {}
     for w in rep.workers.values():
         orig = w._admitted
@@ -42,15 +43,6 @@ def _record_cached(rep: _Replay) -> dict[int, int]:
             orig(a)
 
         w._admitted = hook  # type: ignore[method-assign]
-    return cached
-
-
-def replay_rows(
-    wl: Workload, keys: RequestKeys, policy: str, settings: ReplaySettings
-) -> list[dict[str, Any]]:
-    """One row per request: worker index, cached tokens, arrival/admitted/first (s)."""
-    rep = _Replay(wl, keys, policy, settings)
-    cached = _record_cached(rep)
     rep.run()
     order = list(rep.workers)
     return [
@@ -64,6 +56,14 @@ def replay_rows(
         }
         for r in rep.reqs
     ]
+
+
+def replay_rows(
+    wl: Workload, keys: RequestKeys, policy: str, settings: ReplaySettings
+) -> list[dict[str, Any]]:
+    """One row per request: worker index, cached tokens, arrival/admitted/first (s)."""
+    rep = _Replay(wl, keys, policy, settings)
+    return _run_rows(rep)
 
 
 class _Follow(_Replay):
@@ -117,21 +117,7 @@ def follow_rows(
     (dry-run) choice per request."""
     forced = [(-1 if row is None else int(row["worker"])) for row in e2e]
     rep = _Follow(wl, keys, policy, settings, workers=[max(f, 0) for f in forced])
-    cached = _record_cached(rep)
-    rep.run()
-    order = list(rep.workers)
-    rows = [
-        {
-            "worker": order.index(r.worker.endpoint) if r.worker else -1,
-            "cached_tokens": cached.get(r.idx, 0),
-            "prompt_tokens": r.prompt_tokens,
-            "arrival": r.arrival,
-            "admitted": r.admitted,
-            "first": r.first,
-        }
-        for r in rep.reqs
-    ]
-    return rows, rep.would
+    return _run_rows(rep), rep.would
 
 
 def e2e_rows(path: Path, wl: Workload) -> list[dict[str, Any] | None]:
