@@ -83,7 +83,12 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     tok = write_stub_tokenizer(Path(tmp_path_factory.mktemp("tok")) / "tokenizer.json")
     ports = [(_free_port(), _free_port()) for _ in range(2)]
     sims = [SimWorker(_sim_config(h, z)) for h, z in ports]
-    ghost = f"127.0.0.1:{_free_port()}"
+    # The ghost's port stays bound (not listening: connecting is refused) for the whole
+    # module, so nothing started later takes it, e.g. an Envoy listener on port 0 (seen:
+    # Envoy then reached itself through the ghost and answered 502).
+    ghost_sock = socket.socket()
+    ghost_sock.bind(("127.0.0.1", 0))
+    ghost = f"127.0.0.1:{ghost_sock.getsockname()[1]}"
     started: list[SimWorker] = []
     app: App | None = None
     try:
@@ -132,6 +137,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         # `sims` holds a restarted worker in place of the one the test killed.
         for s in {id(s): s for s in [*started, *sims]}.values():
             await s.stop()
+        ghost_sock.close()
 
 
 async def _complete(stack: Stack, prompt: list[int]) -> int:
