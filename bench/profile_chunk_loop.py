@@ -33,7 +33,6 @@ import profile_datapath as pd  # noqa: E402
 from hpack import Encoder  # noqa: E402
 
 from scorer.app import App  # noqa: E402
-from scorer.config import load_config  # noqa: E402
 from scorer.extproc.servicer import PROCESS_PATH  # noqa: E402
 from scorer.extproc.transport import H2Connection  # noqa: E402
 from scorer.extproc.transport import frames as F  # noqa: E402
@@ -56,22 +55,7 @@ async def settle() -> None:
 
 
 async def run(chunks: int, profile: bool) -> dict[str, Any]:
-    cfg = load_config(
-        overrides={
-            "server": {
-                "host": "127.0.0.1",
-                "extproc_port": 0,
-                "health_port": 0,
-                "admin_port": 0,
-                "grace_period_s": 0.5,
-                "extproc_transport": "asyncio",
-            },
-            "pool": {"workers": pd.WORKERS},
-            "policy": "round_robin",
-            "extproc": {"track_responses": True},
-        },
-        environ={},
-    )
+    cfg = pd.inprocess_config("round_robin")
     app = App(cfg)
     await app.start()
     server = app.extproc_h2

@@ -50,7 +50,7 @@ from hpack import Encoder  # noqa: E402
 
 from scorer import director as director_mod  # noqa: E402
 from scorer.app import App  # noqa: E402
-from scorer.config import load_config  # noqa: E402
+from scorer.config import Config, load_config  # noqa: E402
 from scorer.extproc import wire  # noqa: E402
 from scorer.extproc.servicer import PROCESS_PATH  # noqa: E402
 from scorer.extproc.transport import H2Connection, H2Stream  # noqa: E402
@@ -191,8 +191,10 @@ def data_frame(sid: int, msg: bytes, end: bool = False) -> bytes:
     return F.frame(F.DATA, F.END_STREAM if end else 0, sid, payload)
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    cfg = load_config(
+def inprocess_config(policy: str) -> Config:
+    """The scorer on loopback, ports picked by the OS, our HTTP/2 transport, responses
+    tracked, the two stand-in workers (shared with profile_chunk_loop.py)."""
+    return load_config(
         overrides={
             "server": {
                 "host": "127.0.0.1",
@@ -203,11 +205,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "extproc_transport": "asyncio",
             },
             "pool": {"workers": WORKERS},
-            "policy": args.policy,
+            "policy": policy,
             "extproc": {"track_responses": True},
         },
         environ={},
     )
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = inprocess_config(args.policy)
     app = App(cfg)
     await app.start()
     clock = Clock()
