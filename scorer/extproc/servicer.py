@@ -319,7 +319,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> bool:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange).
         Returns True when it ended in-band."""
-        task = asyncio.current_task()
+        # Our transport knows the stream's task (asyncio.current_task() costs a getpid()
+        # system call per call).
+        task = context.task if isinstance(context, H2Stream) else asyncio.current_task()
         if task is None or self._releasing:
             return False
         self._following.add(task)

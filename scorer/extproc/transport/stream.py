@@ -150,7 +150,12 @@ class H2Stream:
         while not self._msgs:
             if self._cancelled:
                 raise asyncio.CancelledError()
-            self._waiter = self.conn.loop.create_future()
+            conn = self.conn
+            if conn.out and not conn.receiving:
+                # The handler waits now: what it wrote leaves at once, in one write (the
+                # flush already scheduled then finds nothing), not a loop turn later.
+                conn.flush()
+            self._waiter = conn.loop.create_future()
             try:
                 await self._waiter
             finally:
