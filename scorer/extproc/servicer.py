@@ -171,22 +171,23 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # Envoy announces its body modes on the first message (ProtocolConfiguration); the
         # response answers follow the announced mode (absent: an Envoy without
         # FULL_DUPLEX_STREAMED, so plain answers).
-        response_mode = (
-            msg.protocol_config.response_body_mode
-            if msg.HasField("protocol_config")
-            else P.ProcessingMode.NONE
-        )
-        headers = P.header_map(msg.request_headers)
+        # (Each protobuf field access builds an object: every one is read once.)
+        if msg.HasField("protocol_config"):
+            pc = msg.protocol_config
+            response_mode = pc.response_body_mode
+            full_duplex = pc.request_body_mode == P.FULL_DUPLEX
+        else:
+            response_mode = P.ProcessingMode.NONE
+            full_duplex = True
+        rh = msg.request_headers
+        headers = P.header_map(rh)
         req = self.director.new_request(headers, self._subset(msg, headers))
 
-        if msg.request_headers.end_of_stream:
+        if rh.end_of_stream:
             d = await self.director.request_received(req, None)
             await context.write(self._headers_answer(d))
             return (*self._routed(d), response_mode)
 
-        full_duplex = True
-        if msg.HasField("protocol_config"):
-            full_duplex = msg.protocol_config.request_body_mode == P.FULL_DUPLEX
         if not full_duplex:
             # BUFFERED: Envoy waits for this answer before it sends the body.
             await context.write(self._strip_forged)
@@ -201,14 +202,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
             if k == "request_body":
-                b = m.request_body.body
+                rb = m.request_body
+                b = rb.body
                 if b:
                     chunks.append(b)
                     size += len(b)
                 if size > self.max_body:
                     await context.write(self._error_answer(self.director.too_large(req)))
                     return None, "too_large", 0
-                if m.request_body.end_of_stream or m.request_body.end_of_stream_without_message:
+                if rb.end_of_stream or rb.end_of_stream_without_message:
                     break
             elif k == "request_trailers":
                 trailers = True
