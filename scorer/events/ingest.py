@@ -275,6 +275,9 @@ class EventIngest:
                     "decode_errors": dict(sub.stats.decode_errors),
                     "drops": dict(sub.stats.drops),
                     "restarts": sub.stats.restarts,
+                    "syncs": dict(sub.stats.syncs),
+                    "warm_messages": sub.stats.warm_messages,
+                    "sync_skipped": sub.stats.sync_skipped,
                     "unrecovered_gap": s.unrecovered_gap,
                     "bind_error": sub.stats.bind_error,
                 }
