@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
 from kvev_publisher import Publisher, cleared, removed, stored, until
@@ -245,4 +246,30 @@ async def test_sync_applies_a_long_buffer_in_bursts(ctx: zmq.asyncio.Context) ->
     finally:
         await cancel_and_wait(t)
         await sub.stop()
+        await pub.close()
+
+
+async def test_ingest_stop_keeps_the_callers_cancel(ctx: zmq.asyncio.Context) -> None:
+    """stop() waits for the closes of workers that left; a cancel of the caller meanwhile
+    ends stop() (with `suppress(CancelledError): await task` it was swallowed, stop()
+    returned as if done, and the close it waited for was cancelled half-way)."""
+    pub = Publisher(ctx)
+    ing = ingest(pub)
+    await ing.start()
+    release = asyncio.Event()
+    closing = asyncio.create_task(release.wait())  # a worker's close still under way
+    ing._closing.add(closing)
+    stopper = asyncio.create_task(ing.stop())
+    try:
+        await until(lambda: not ing.subscribers)  # stop() waits for the close now
+        await asyncio.sleep(0)
+        stopper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(10):
+                await stopper
+        assert not closing.done()  # the close goes on
+        assert ing._context is None  # the context went all the same
+    finally:
+        release.set()
+        await closing
         await pub.close()
