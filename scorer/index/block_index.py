@@ -114,8 +114,16 @@ class BlockIndex:
         keys: Sequence[int],
         medium: str = "GPU",
     ) -> int:
-        """A worker stores these blocks (engine keys ↔ our keys). Returns new entries."""
+        """A worker stores these blocks (engine keys ↔ our keys). Returns new entries.
+
+        An engine key sent again for another block now names that block only: the block it
+        named before is dropped (unless another engine key of this add names it), so every
+        entry of a slot stays reachable from its engine map, which the per-worker bound and
+        `release` walk. (A second engine key for one block is not tracked: the block goes
+        when the first is given another.)"""
         s = self._slots.get((endpoint, rank or 0)) or self._slot(endpoint, rank)
+        if len(keys) > len(ekeys):
+            keys = keys[: len(ekeys)]  # a block without an engine key is never removable
         d = self._media.get(medium)
         if d is None:
             d, medium = self._gpu, "GPU"
@@ -127,10 +135,10 @@ class BlockIndex:
             # compiled loop; returns the (key, mask) pairs already held under another mask.
             assert NATIVE is not None
             added: int
-            added, held = NATIVE.index_add(d, emap, ekeys, keys, bit)
+            added, held, replaced = NATIVE.index_add(d, emap, ekeys, keys, bit)
             new = added
         else:
-            emap.update_pairs(ekeys, keys)
+            replaced = emap.update_pairs(ekeys, keys)
             # One C-level pass inserts the absent keys with the slot's shared bit object (a
             # single-holder mask costs no memory of its own) and returns every key's mask.
             before = len(d)
@@ -149,6 +157,11 @@ class BlockIndex:
                     new += 1
         if new:
             s.counts[medium] += new
+        if replaced:
+            # (a replaced block another engine key of this add leads to stays)
+            gone = set(replaced).difference(map(emap.get, ekeys))
+            if gone:
+                self._drop_keys(s, list(gone))
         if s.spec:
             self._specs.confirm(s, keys)
         if len(emap) > self.max_blocks:
@@ -212,27 +225,15 @@ class BlockIndex:
                 s.counts[medium] -= self._unset(self._media[medium], keys, bit)
 
     def clear(self, endpoint: str, rank: int | None = None) -> None:
-        """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is None."""
+        """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is
+        None. Costs the slot's own entries: each is reached through its engine map (`add`
+        keeps them all reachable), no other worker's entry is read."""
         for s in self._table.of(endpoint):
             if rank is not None and s.rank != rank:
                 continue
             self._drop_keys(s, list(s.emap.values()))
             s.emap.clear()
             self._specs.drop(s)
-            if any(s.counts.values()):
-                self._sweep(s)
-
-    def _sweep(self, s: Slot) -> None:
-        """Drop slot `s`'s bit from every entry of the media it still counts entries on.
-
-        Only blocks no engine key leads to any more are left after `clear` (an engine key
-        sent again for another block): rare, so this O(entries) scan is too."""
-        bit = 1 << s.bit
-        for medium in MEDIA:
-            if s.counts[medium]:
-                d = self._media[medium]
-                self._unset(d, [k for k, m in d.items() if m & bit], bit)
-                s.counts[medium] = 0
 
     def purge(self, endpoint: str) -> None:
         """Forget everything about a worker (restart, unrecoverable gap)."""

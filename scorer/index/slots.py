@@ -20,7 +20,7 @@ class EngineMapLike(Protocol):
     def __getitem__(self, k: int, /) -> int: ...
     def __delitem__(self, k: int, /) -> None: ...
     def get(self, k: int, /) -> int | None: ...
-    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> None: ...
+    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> list[int]: ...
     def pop_oldest(self, n: int) -> list[tuple[int, int]]: ...
     def clear(self) -> None: ...
     def items(self) -> Iterable[tuple[int, int]]: ...
@@ -31,9 +31,25 @@ class EngineMapLike(Protocol):
 class PyEngineMap(dict[int, int]):
     """The pure-Python engine-key map: a dict plus the two bulk operations the index uses."""
 
-    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> None:
-        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update."""
-        self.update(zip(ekeys, keys, strict=False))
+    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> list[int]:
+        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update. Returns
+        the values replaced: what an engine key led to before it was given another."""
+        n = min(len(ekeys), len(keys))
+        if self.keys().isdisjoint(ekeys):  # the common case: only new engine keys
+            before = len(self)
+            self.update(zip(ekeys, keys, strict=False))
+            if len(self) - before == n:
+                return []
+            # An engine key twice in this batch: the values before its last pair.
+            return [k for ek, k in zip(ekeys, keys, strict=False) if self[ek] != k]
+        replaced = []
+        get = self.get
+        for ek, k in zip(ekeys, keys, strict=False):
+            old = get(ek)
+            if old is not None and old != k:
+                replaced.append(old)
+            self[ek] = k
+        return replaced
 
     def pop_oldest(self, n: int) -> list[tuple[int, int]]:
         """Remove up to `n` oldest entries; returns them as [(engine key, our key)]."""

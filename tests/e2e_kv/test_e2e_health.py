@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from ports import HeldPort
 
 from kvscorer_tools.bench.e2e import write_stub_tokenizer
 from kvscorer_tools.envoyrun import EnvoyProcess
@@ -86,9 +87,8 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     # The ghost's port stays bound (not listening: connecting is refused) for the whole
     # module, so nothing started later takes it, e.g. an Envoy listener on port 0 (seen:
     # Envoy then reached itself through the ghost and answered 502).
-    ghost_sock = socket.socket()
-    ghost_sock.bind(("127.0.0.1", 0))
-    ghost = f"127.0.0.1:{ghost_sock.getsockname()[1]}"
+    ghost_port = HeldPort()
+    ghost = ghost_port.endpoint
     started: list[SimWorker] = []
     app: App | None = None
     try:
@@ -137,7 +137,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         # `sims` holds a restarted worker in place of the one the test killed.
         for s in {id(s): s for s in [*started, *sims]}.values():
             await s.stop()
-        ghost_sock.close()
+        ghost_port.close()
 
 
 async def _complete(stack: Stack, prompt: list[int]) -> int:
