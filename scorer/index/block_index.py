@@ -3,10 +3,12 @@ docstring for the layout)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import weakref
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import or_
 from typing import Any
@@ -21,6 +23,9 @@ from scorer.index.match import Match
 from scorer.index.slots import MEDIA, EngineMapLike, PyEngineMap, Slot, SlotTable
 from scorer.index.speculative import SpeculativeEntries
 from scorer.native import NATIVE
+
+# Entries a released worker's slots leave per event-loop turn (~3 ms of work compiled).
+RELEASE_CHUNK = 5_000
 
 INDEX_ENTRIES = Gauge(
     "kv_scorer_index_entries", "Stored (block, worker) entries in the block index", ["medium"]
@@ -75,6 +80,9 @@ class BlockIndex:
         self._media_depths = getattr(NATIVE, "media_depths", None) if self.native else None
         self._depth_matches = getattr(NATIVE, "depth_matches", None) if self.native else None
         self.max_blocks = self.config.max_blocks_per_worker
+        # Released slots whose bit some entries still have (see `release`).
+        self._leaving: deque[Slot] = deque()
+        self._drain_due = False
         self.clock = time.monotonic
         _LIVE.add(self)
 
@@ -243,13 +251,45 @@ class BlockIndex:
 
     def release(self, endpoint: str) -> None:
         """The worker left the pool: forget it and free its slots' bits for new workers
-        (no entry keeps one, so a worker reusing it inherits nothing)."""
-        self.clear(endpoint)
-        gone = self._table.release(endpoint)
-        if gone:
-            # Canonical masks naming a released bit are dead: free their cache places.
-            freed = sum(1 << s.bit for s in gone)
-            self._masks.drop_bits(freed)
+        (no entry keeps one, so a worker reusing it inherits nothing).
+
+        Its slots leave the table at once (no match names it from now on). Their bits leave
+        the entries `RELEASE_CHUNK` entries at a time, one chunk now and, on a running event
+        loop, one per loop turn after it (a worker's million entries held the loop for a
+        third of a second in one piece); a bit is freed once no entry has it."""
+        gone = self._table.detach(endpoint)
+        for s in gone:
+            self._specs.drop(s)
+        self._leaving.extend(gone)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Clear up to RELEASE_CHUNK entries of the released slots (all, with no running
+        loop), freeing each slot's bit when it is done; schedules the rest."""
+        leaving = self._leaving
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        budget = RELEASE_CHUNK
+        while leaving and (budget > 0 or loop is None):
+            s = leaving[0]
+            pairs = s.emap.pop_oldest(budget if loop is not None else len(s.emap))
+            budget -= len(pairs)
+            if pairs:
+                self._drop_keys(s, [k for _, k in pairs])
+            if not len(s.emap):
+                leaving.popleft()
+                self._table.free(s)
+                # Canonical masks naming the bit are dead: free their cache places.
+                self._masks.drop_bits(1 << s.bit)
+        if leaving and loop is not None and not self._drain_due:
+            self._drain_due = True
+            loop.call_soon(self._drain_next)
+
+    def _drain_next(self) -> None:
+        self._drain_due = False
+        self._drain()
 
     # ---- speculative entries -----------------------------------------------------------
 
@@ -350,9 +390,10 @@ class BlockIndex:
         return sum(s.removed for s in self._table.of(endpoint))
 
     def entries(self, medium: str) -> int:
-        """Stored (block, worker) entries on one medium."""
-        return sum(s.counts[medium] for s in self._slots.values())
+        """Stored (block, worker) entries on one medium (released workers' not yet cleared
+        ones included)."""
+        return sum(s.counts[medium] for s in itertools.chain(self._slots.values(), self._leaving))
 
     def total_entries(self) -> int:
         """Stored (block, worker) entries over all media."""
-        return sum(s.counts[m] for s in self._slots.values() for m in MEDIA)
+        return sum(self.entries(m) for m in MEDIA)

@@ -3,6 +3,7 @@ worker that reuses the slot (bit) inherits none of its blocks."""
 
 from __future__ import annotations
 
+import asyncio
 from array import array
 from typing import Any
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from scorer.blocks import BlockHasher
 from scorer.config import Config, IndexConfig
 from scorer.events.ingest import EventIngest
-from scorer.index import MEDIA, BlockIndex
+from scorer.index import MEDIA, BlockIndex, block_index
 from scorer.pool import Pool
 
 KEYS = BlockHasher(4).keys(list(range(4 * 12)))
@@ -142,6 +143,34 @@ def test_release_reads_only_the_workers_own_entries() -> None:
     assert gpu.scans == 0
     assert idx.total_entries() == 300 and set(idx.match(KEYS[:1])) == set()
     _check_bits(idx)
+
+
+@NATIVE
+async def test_a_big_release_leaves_in_chunks_between_loop_turns(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the event loop a released worker's entries leave a chunk per loop turn: the
+    # worker is gone from every answer at once, its bit is freed only when no entry has it.
+    monkeypatch.setattr(block_index, "RELEASE_CHUNK", 10)
+    idx = BlockIndex(native=native)
+    many = BlockHasher(4).keys(list(range(4 * 100)))
+    idx.add("stays", 0, [1], many[:1])
+    idx.add("old", 0, range(100), many)
+    bit = idx._table.slots["old", 0].bit
+    idx.release("old")
+    assert idx.total_entries() == 1 + 90  # one chunk went at once
+    assert set(idx.match(many)) == {"stays"} and "old" not in idx.endpoints()
+    idx.add("new", 0, [5], many[:1])  # the bit is not free yet: a new one is taken
+    assert idx._table.slots["new", 0].bit != bit
+    for _ in range(100):  # bounded: 9 more turns are needed
+        if not idx._leaving:
+            break
+        await asyncio.sleep(0)
+    assert not idx._leaving and idx.total_entries() == 2
+    _check_bits(idx)
+    idx.add("newer", 0, [6], many[:1])
+    assert idx._table.slots["newer", 0].bit == bit  # freed once cleared
+    assert {e: m.blocks for e, m in idx.match(many).items()} == {"stays": 1, "new": 1, "newer": 1}
 
 
 async def test_a_worker_removed_from_the_pool_releases_its_slot() -> None:
