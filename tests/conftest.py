@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from configs import DEFAULT_LOOP
 from hypothesis import HealthCheck, settings
+from ports import HeldPort
 
 from kvscorer_tools.envoyrun import FORBID_ENVOY_ENV
 from scorer.app import loop_factory
@@ -63,6 +64,21 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci")
+
+
+@pytest.fixture
+def closed_port() -> Generator[Callable[[], int], None, None]:
+    """Makes loopback ports nothing listens on, each held bound until the test ends
+    (tests/ports.py: a bind-and-closed port may be taken meanwhile by any port-0 bind)."""
+    held: list[HeldPort] = []
+
+    def make() -> int:
+        held.append(HeldPort())
+        return held[-1].port
+
+    yield make
+    for h in held:
+        h.close()
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)

@@ -3,10 +3,12 @@ docstring for the layout)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import weakref
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import or_
 from typing import Any
@@ -21,6 +23,9 @@ from scorer.index.match import Match
 from scorer.index.slots import MEDIA, EngineMapLike, PyEngineMap, Slot, SlotTable
 from scorer.index.speculative import SpeculativeEntries
 from scorer.native import NATIVE
+
+# Entries a released worker's slots leave per event-loop turn (~3 ms of work compiled).
+RELEASE_CHUNK = 5_000
 
 INDEX_ENTRIES = Gauge(
     "kv_scorer_index_entries", "Stored (block, worker) entries in the block index", ["medium"]
@@ -75,6 +80,9 @@ class BlockIndex:
         self._media_depths = getattr(NATIVE, "media_depths", None) if self.native else None
         self._depth_matches = getattr(NATIVE, "depth_matches", None) if self.native else None
         self.max_blocks = self.config.max_blocks_per_worker
+        # Released slots whose bit some entries still have (see `release`).
+        self._leaving: deque[Slot] = deque()
+        self._drain_due = False
         self.clock = time.monotonic
         _LIVE.add(self)
 
@@ -114,8 +122,16 @@ class BlockIndex:
         keys: Sequence[int],
         medium: str = "GPU",
     ) -> int:
-        """A worker stores these blocks (engine keys ↔ our keys). Returns new entries."""
+        """A worker stores these blocks (engine keys ↔ our keys). Returns new entries.
+
+        An engine key sent again for another block now names that block only: the block it
+        named before is dropped (unless another engine key of this add names it), so every
+        entry of a slot stays reachable from its engine map, which the per-worker bound and
+        `release` walk. (A second engine key for one block is not tracked: the block goes
+        when the first is given another.)"""
         s = self._slots.get((endpoint, rank or 0)) or self._slot(endpoint, rank)
+        if len(keys) > len(ekeys):
+            keys = keys[: len(ekeys)]  # a block without an engine key is never removable
         d = self._media.get(medium)
         if d is None:
             d, medium = self._gpu, "GPU"
@@ -127,10 +143,10 @@ class BlockIndex:
             # compiled loop; returns the (key, mask) pairs already held under another mask.
             assert NATIVE is not None
             added: int
-            added, held = NATIVE.index_add(d, emap, ekeys, keys, bit)
+            added, held, replaced = NATIVE.index_add(d, emap, ekeys, keys, bit)
             new = added
         else:
-            emap.update_pairs(ekeys, keys)
+            replaced = emap.update_pairs(ekeys, keys)
             # One C-level pass inserts the absent keys with the slot's shared bit object (a
             # single-holder mask costs no memory of its own) and returns every key's mask.
             before = len(d)
@@ -149,6 +165,11 @@ class BlockIndex:
                     new += 1
         if new:
             s.counts[medium] += new
+        if replaced:
+            # (a replaced block another engine key of this add leads to stays)
+            gone = set(replaced).difference(map(emap.get, ekeys))
+            if gone:
+                self._drop_keys(s, list(gone))
         if s.spec:
             self._specs.confirm(s, keys)
         if len(emap) > self.max_blocks:
@@ -212,27 +233,15 @@ class BlockIndex:
                 s.counts[medium] -= self._unset(self._media[medium], keys, bit)
 
     def clear(self, endpoint: str, rank: int | None = None) -> None:
-        """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is None."""
+        """Forget one (endpoint, rank) (AllBlocksCleared), or every rank of it when rank is
+        None. Costs the slot's own entries: each is reached through its engine map (`add`
+        keeps them all reachable), no other worker's entry is read."""
         for s in self._table.of(endpoint):
             if rank is not None and s.rank != rank:
                 continue
             self._drop_keys(s, list(s.emap.values()))
             s.emap.clear()
             self._specs.drop(s)
-            if any(s.counts.values()):
-                self._sweep(s)
-
-    def _sweep(self, s: Slot) -> None:
-        """Drop slot `s`'s bit from every entry of the media it still counts entries on.
-
-        Only blocks no engine key leads to any more are left after `clear` (an engine key
-        sent again for another block): rare, so this O(entries) scan is too."""
-        bit = 1 << s.bit
-        for medium in MEDIA:
-            if s.counts[medium]:
-                d = self._media[medium]
-                self._unset(d, [k for k, m in d.items() if m & bit], bit)
-                s.counts[medium] = 0
 
     def purge(self, endpoint: str) -> None:
         """Forget everything about a worker (restart, unrecoverable gap)."""
@@ -242,13 +251,45 @@ class BlockIndex:
 
     def release(self, endpoint: str) -> None:
         """The worker left the pool: forget it and free its slots' bits for new workers
-        (no entry keeps one, so a worker reusing it inherits nothing)."""
-        self.clear(endpoint)
-        gone = self._table.release(endpoint)
-        if gone:
-            # Canonical masks naming a released bit are dead: free their cache places.
-            freed = sum(1 << s.bit for s in gone)
-            self._masks.drop_bits(freed)
+        (no entry keeps one, so a worker reusing it inherits nothing).
+
+        Its slots leave the table at once (no match names it from now on). Their bits leave
+        the entries `RELEASE_CHUNK` entries at a time, one chunk now and, on a running event
+        loop, one per loop turn after it (a worker's million entries held the loop for a
+        third of a second in one piece); a bit is freed once no entry has it."""
+        gone = self._table.detach(endpoint)
+        for s in gone:
+            self._specs.drop(s)
+        self._leaving.extend(gone)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Clear up to RELEASE_CHUNK entries of the released slots (all, with no running
+        loop), freeing each slot's bit when it is done; schedules the rest."""
+        leaving = self._leaving
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        budget = RELEASE_CHUNK
+        while leaving and (budget > 0 or loop is None):
+            s = leaving[0]
+            pairs = s.emap.pop_oldest(budget if loop is not None else len(s.emap))
+            budget -= len(pairs)
+            if pairs:
+                self._drop_keys(s, [k for _, k in pairs])
+            if not len(s.emap):
+                leaving.popleft()
+                self._table.free(s)
+                # Canonical masks naming the bit are dead: free their cache places.
+                self._masks.drop_bits(1 << s.bit)
+        if leaving and loop is not None and not self._drain_due:
+            self._drain_due = True
+            loop.call_soon(self._drain_next)
+
+    def _drain_next(self) -> None:
+        self._drain_due = False
+        self._drain()
 
     # ---- speculative entries -----------------------------------------------------------
 
@@ -349,9 +390,10 @@ class BlockIndex:
         return sum(s.removed for s in self._table.of(endpoint))
 
     def entries(self, medium: str) -> int:
-        """Stored (block, worker) entries on one medium."""
-        return sum(s.counts[medium] for s in self._slots.values())
+        """Stored (block, worker) entries on one medium (released workers' not yet cleared
+        ones included)."""
+        return sum(s.counts[medium] for s in itertools.chain(self._slots.values(), self._leaving))
 
     def total_entries(self) -> int:
         """Stored (block, worker) entries over all media."""
-        return sum(s.counts[m] for s in self._slots.values() for m in MEDIA)
+        return sum(self.entries(m) for m in MEDIA)

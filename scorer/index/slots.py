@@ -20,7 +20,7 @@ class EngineMapLike(Protocol):
     def __getitem__(self, k: int, /) -> int: ...
     def __delitem__(self, k: int, /) -> None: ...
     def get(self, k: int, /) -> int | None: ...
-    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> None: ...
+    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> list[int]: ...
     def pop_oldest(self, n: int) -> list[tuple[int, int]]: ...
     def clear(self) -> None: ...
     def items(self) -> Iterable[tuple[int, int]]: ...
@@ -31,9 +31,25 @@ class EngineMapLike(Protocol):
 class PyEngineMap(dict[int, int]):
     """The pure-Python engine-key map: a dict plus the two bulk operations the index uses."""
 
-    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> None:
-        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update."""
-        self.update(zip(ekeys, keys, strict=False))
+    def update_pairs(self, ekeys: Sequence[int], keys: Sequence[int]) -> list[int]:
+        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update. Returns
+        the values replaced: what an engine key led to before it was given another."""
+        n = min(len(ekeys), len(keys))
+        if self.keys().isdisjoint(ekeys):  # the common case: only new engine keys
+            before = len(self)
+            self.update(zip(ekeys, keys, strict=False))
+            if len(self) - before == n:
+                return []
+            # An engine key twice in this batch: the values before its last pair.
+            return [k for ek, k in zip(ekeys, keys, strict=False) if self[ek] != k]
+        replaced = []
+        get = self.get
+        for ek, k in zip(ekeys, keys, strict=False):
+            old = get(ek)
+            if old is not None and old != k:
+                replaced.append(old)
+            self[ek] = k
+        return replaced
 
     def pop_oldest(self, n: int) -> list[tuple[int, int]]:
         """Remove up to `n` oldest entries; returns them as [(engine key, our key)]."""
@@ -64,10 +80,11 @@ class Slot:
 class SlotTable:
     """(endpoint, rank) → Slot, bit → Slot, endpoint → mask of its slots' bits.
 
-    A purged slot stays allocated (empty). A released slot (its worker left the pool) frees
-    its bit, which the next new slot takes (the lowest free bit first), so masks stay as
-    wide as the live workers however many came and went. The index clears a slot's bit
-    from every entry before releasing it: a reused bit never names another worker's block."""
+    A purged slot stays allocated (empty). A released slot (its worker left the pool) is
+    detached at once and frees its bit once the index has cleared it from every entry; the
+    next new slot takes it (the lowest free bit first), so masks stay as wide as the live
+    workers however many came and went, and a reused bit never names another worker's
+    block."""
 
     def __init__(self, emap_factory: Callable[[], EngineMapLike] = PyEngineMap) -> None:
         self.emap_factory = emap_factory
@@ -79,7 +96,7 @@ class SlotTable:
         self.ep_slots: dict[str, int] = {}  # endpoint → number of its slots (dp ranks)
         self.all_mask = 0
         self.ranked = False  # True once an endpoint has a second slot (dp rank)
-        self.free: list[int] = []  # released bits (a heap: the lowest is reused first)
+        self.free_bits: list[int] = []  # freed bits (a heap: the lowest is reused first)
         # `allowed`'s last answer: (endpoints, mask), dropped when a slot is made or freed.
         self._last: tuple[list[str], int] | None = None
 
@@ -92,8 +109,8 @@ class SlotTable:
         key = (endpoint, rank or 0)
         s = self.slots.get(key)
         if s is None:
-            if self.free:
-                bit = heapq.heappop(self.free)
+            if self.free_bits:
+                bit = heapq.heappop(self.free_bits)
                 s = Slot(endpoint, rank or 0, bit, self.emap_factory())
                 self.by_bit[bit] = s
                 self.bit_ep[bit] = endpoint
@@ -112,21 +129,24 @@ class SlotTable:
             self._last = None
         return s
 
-    def release(self, endpoint: str) -> list[Slot]:
-        """Free every slot of `endpoint` (the caller has cleared their bits from every
-        entry); returns them. Their bits go to the free list."""
+    def detach(self, endpoint: str) -> list[Slot]:
+        """Take every slot of `endpoint` out of the table (no lookup, mask or endpoint list
+        names them from now on); returns them. Their bits stay taken until `free`."""
         gone = self.of(endpoint)
         for s in gone:
             del self.slots[s.endpoint, s.rank]
-            self.bit_ep[s.bit] = ""  # no entry holds it; `by_bit` keeps the empty slot
-            s.emap = PyEngineMap()  # (for queued speculative expiries) without its memory
             self.all_mask &= ~(1 << s.bit)
-            heapq.heappush(self.free, s.bit)
         if gone:
             self._last = None
             del self.ep_mask[endpoint]
             del self.ep_slots[endpoint]
         return gone
+
+    def free(self, s: Slot) -> None:
+        """A detached slot's bit is in no entry any more: the next new slot may take it."""
+        self.bit_ep[s.bit] = ""  # `by_bit` keeps the empty slot
+        s.emap = PyEngineMap()  # (for queued speculative expiries) without its memory
+        heapq.heappush(self.free_bits, s.bit)
 
     def of(self, endpoint: str) -> list[Slot]:
         """Every slot (rank) of one endpoint."""

@@ -405,14 +405,19 @@ cdef class EngineMap:
         self.cap, self.used, self.live, self.head, self.bits = new_cap, j, j, 0, bits
         return 0
 
-    cdef int _put(self, uint64_t k, uint64_t v) except -1:
+    cdef int _put(self, uint64_t k, uint64_t v, uint64_t* old) except -1:
+        """Insert or update k -> v; 1 (and the value it had in `old`) when k led to
+        another value, else 0."""
         cdef Py_ssize_t e, s, mask, c
         if k == _DEAD:
             raise OverflowError("engine key out of range")
         e = self._find(k)
         if e >= 0:
+            if self.val[e] == v:
+                return 0
+            old[0] = self.val[e]
             self.val[e] = v
-            return 0
+            return 1
         if self.used == self.cap:
             # Full: compact when at least half is dead, else double.
             c = self.cap if self.live * 2 <= self.cap and self.cap else max(8, self.cap * 2)
@@ -481,16 +486,22 @@ cdef class EngineMap:
         return v
 
     def __setitem__(self, k, v):
-        self._put(self._key(k), <uint64_t>v)
+        cdef uint64_t old
+        self._put(self._key(k), <uint64_t>v, &old)
 
     def __delitem__(self, k):
         self._delete_at(self._key(k))
 
     def update_pairs(self, ekeys, keys):
-        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update."""
+        """Insert zip(ekeys, keys) (the shorter one bounds it), like dict.update. Returns
+        the values replaced: what an engine key led to before it was given another."""
         cdef Py_ssize_t i, n = min(len(ekeys), len(keys))
+        cdef uint64_t old
+        cdef list replaced = []
         for i in range(n):
-            self._put(self._key(ekeys[i]), <uint64_t>keys[i])
+            if self._put(self._key(ekeys[i]), <uint64_t>keys[i], &old):
+                replaced.append(old)
+        return replaced
 
     def pop_oldest(self, Py_ssize_t n):
         """Remove up to `n` oldest entries; returns them as [(engine key, our key)]."""
@@ -581,10 +592,14 @@ def index_add(dict d, EngineMap emap, array ekeys, array keys, object bit):
     """`BlockIndex.add`'s insert for packed keys (array('Q') each): every (engine key, key)
     pair into `emap` (insertion order as update_pairs), then every key absent from `d`
     (a medium dict) inserted with `bit` (the slot's shared bit object). Returns (new keys,
-    [(key, mask)] of the keys already held under another mask object), for the caller to
-    add its bit to those masks as the reference code does."""
+    [(key, mask)] of the keys already held under another mask object, [our keys an engine
+    key led to before it was given another]), for the caller to add its bit to those masks
+    and drop the replaced keys as the reference code does. Only the first min(len) keys
+    go in (the caller passes equal lengths)."""
     cdef Py_ssize_t i, n = min(len(ekeys), len(keys))
     cdef Py_ssize_t before
+    cdef uint64_t old
+    cdef list replaced = []
     cdef const unsigned long long* ek
     cdef const unsigned long long* kk
     cdef object ko
@@ -596,16 +611,16 @@ def index_add(dict d, EngineMap emap, array ekeys, array keys, object bit):
     for i in range(n):
         if ek[i] == _DEAD:
             raise OverflowError("engine key out of range")
-        emap._put(ek[i], keys.data.as_ulonglongs[i])
+        if emap._put(ek[i], keys.data.as_ulonglongs[i], &old):
+            replaced.append(old)
     kk = keys.data.as_ulonglongs
-    n = len(keys)
     before = PyDict_Size(d)
     for i in range(n):
         ko = PyLong_FromUnsignedLongLong(kk[i])
         m = PyDict_SetDefault(d, ko, bit)
         if m != <PyObject*>bit:
             shared.append((ko, <object>m))
-    return PyDict_Size(d) - before, shared
+    return PyDict_Size(d) - before, shared, replaced
 
 
 # ---- fused batch decode: one pass over a well-formed payload ------------------------------

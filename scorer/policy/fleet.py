@@ -161,6 +161,14 @@ class CacheLife:
                 j -= stride
         return None if t is None else max(now - t, 0.0)
 
+    def forget(self, endpoint: str) -> None:
+        """`endpoint` left the pool: drop its eviction rate and BlockRemoved count, so this
+        state is bounded by the live pool, not by every endpoint ever seen (a worker that
+        joins again at that address starts from no rate, as its index slot does). Its chain
+        ages are left to `max_entries` (the LRU bound): finding them is a scan of them all."""
+        self._rate.pop(endpoint, None)
+        self._removed.pop(endpoint, None)
+
     def is_full(self, held_blocks: float, capacity: float) -> bool:
         """Whether a cache holding `held_blocks` of `capacity` evicts on every write."""
         return capacity > 0.0 and held_blocks >= self.full_fraction * capacity

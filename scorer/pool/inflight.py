@@ -36,9 +36,18 @@ class InflightTracker:
 
     loads: dict[str, WorkerLoad] = field(default_factory=dict)
     _flights: dict[str, _Flight] = field(default_factory=dict)
+    # Endpoints whose counters a pool worker holds (`load`), kept until `forget`. Any other
+    # endpoint a request is served on (a fallback host outside the pool, a worker that just
+    # left) has counters only while requests are in flight there: memory stays bounded by
+    # the pool and the requests in flight.
+    _members: set[str] = field(default_factory=set)
 
     def load(self, endpoint: str) -> WorkerLoad:
-        """The counters for `endpoint` (created empty on first use)."""
+        """The counters of pool worker `endpoint` (created empty on first use)."""
+        self._members.add(endpoint)
+        return self._counters(endpoint)
+
+    def _counters(self, endpoint: str) -> WorkerLoad:
         wl = self.loads.get(endpoint)
         if wl is None:
             wl = self.loads[endpoint] = WorkerLoad()
@@ -55,7 +64,7 @@ class InflightTracker:
         """A request was sent to `endpoint`; its prompt work counts until its first byte."""
         if request_id in self._flights:
             self.finished(request_id)
-        wl = self.load(endpoint)
+        wl = self._counters(endpoint)
         wl.requests += 1
         wl.routed_total += 1
         wl.prefill_tokens += prompt_tokens
@@ -69,7 +78,7 @@ class InflightTracker:
         if f is None or not f.in_prefill:
             return
         f.in_prefill = False
-        wl = self.load(f.endpoint)
+        wl = self._counters(f.endpoint)
         wl.prefill_tokens -= f.prompt_tokens
         wl.prefill_blocks -= f.prefill_blocks
         wl.decode_blocks += f.total_blocks
@@ -81,7 +90,7 @@ class InflightTracker:
             return
         f.total_blocks += blocks
         if not f.in_prefill:
-            self.load(f.endpoint).decode_blocks += blocks
+            self._counters(f.endpoint).decode_blocks += blocks
 
     def moved(self, request_id: str, endpoint: str) -> None:
         """Envoy reported it served the request on another endpoint (a fallback)."""
@@ -99,13 +108,15 @@ class InflightTracker:
         f = self._flights.pop(request_id, None)
         if f is None:
             return
-        wl = self.load(f.endpoint)
+        wl = self._counters(f.endpoint)
         wl.requests -= 1
         if f.in_prefill:
             wl.prefill_tokens -= f.prompt_tokens
             wl.prefill_blocks -= f.prefill_blocks
         else:
             wl.decode_blocks -= f.total_blocks
+        if wl.requests <= 0 and f.endpoint not in self._members:
+            del self.loads[f.endpoint]
 
     def drop_endpoint(self, endpoint: str) -> int:
         """Forget every in-flight request on `endpoint` (the worker was ejected): its counters
@@ -127,6 +138,7 @@ class InflightTracker:
         clean."""
         self.drop_endpoint(endpoint)
         self.loads.pop(endpoint, None)
+        self._members.discard(endpoint)
 
     def endpoint_of(self, request_id: str) -> str | None:
         """Where an in-flight request was routed, if it is still in flight."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,13 +93,6 @@ def sse_events(n: int, name: str) -> list[bytes]:
         out.append(b"data: " + json.dumps(chunk).encode() + b"\n\n")
     out.append(f"data: [DONE] {name}\n\n".encode())
     return out
-
-
-def closed_port() -> int:
-    """A loopback port with nothing listening (bound, read, closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 SUBSET_FILTER = {

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
 import pytest_asyncio
 from configs import make_config
-from e2e_helpers import Backend, closed_port
+from e2e_helpers import Backend
 from prometheus_client import REGISTRY
 
 from kvscorer_tools.envoyrun import EnvoyProcess
@@ -152,7 +152,9 @@ async def _post_twice(s: aiohttp.ClientSession, port: int) -> list[int]:
     return got
 
 
-async def test_upstream_failure_ends_the_request(backends: list[Backend]) -> None:
+async def test_upstream_failure_ends_the_request(
+    backends: list[Backend], closed_port: Callable[[], int]
+) -> None:
     """A worker that refuses: Envoy answers 503 itself. Both shapes end the request; only
     the full shape reports the 503 (the health monitor's request_failed evidence)."""
     dead = f"127.0.0.1:{closed_port()}"
@@ -178,7 +180,7 @@ async def test_upstream_failure_ends_the_request(backends: list[Backend]) -> Non
 
 
 async def test_lean_upstream_failure_is_health_evidence(
-    backends: list[Backend], transport: str
+    backends: list[Backend], transport: str, closed_port: Callable[[], int]
 ) -> None:
     """Lean: the response status never reaches ext_proc, but Envoy's access log sends the
     requests whose upstream failed (response flags UF/UC/UR/URX) to the scorer, which

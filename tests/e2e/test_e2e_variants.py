@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import aiohttp
 import pytest
 from configs import make_config
-from e2e_helpers import Backend, closed_port
+from e2e_helpers import Backend
 
 from kvscorer_tools.envoyrun import EnvoyProcess
 from scorer.app import App
@@ -94,7 +95,9 @@ async def test_track_responses_off_both_body_modes(backends: list[Backend], tran
         await app.stop()
 
 
-async def test_scorer_down_fails_closed_by_default(backends: list[Backend]) -> None:
+async def test_scorer_down_fails_closed_by_default(
+    backends: list[Backend], closed_port: Callable[[], int]
+) -> None:
     cfg = render_envoy_config(0, closed_port(), 0)
     async with EnvoyProcess(cfg) as e:
         before = sum(len(b.seen) for b in backends)
@@ -103,7 +106,9 @@ async def test_scorer_down_fails_closed_by_default(backends: list[Backend]) -> N
         assert sum(len(b.seen) for b in backends) == before  # no backend reached
 
 
-async def test_scorer_down_fail_open(backends: list[Backend]) -> None:
+async def test_scorer_down_fail_open(
+    backends: list[Backend], closed_port: Callable[[], int]
+) -> None:
     port = closed_port()
     # Envoy 1.40 does not fail open in FULL_DUPLEX_STREAMED: still a 500 (docs/envoy.md).
     async with EnvoyProcess(render_envoy_config(0, port, 0, failure_mode_allow=True)) as e:

@@ -10,11 +10,12 @@ An ORIGINAL_DST cluster reads exactly one `ip:port`: a list is no address (503).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import aiohttp
 import pytest
 from configs import make_config
-from e2e_helpers import Backend, closed_port
+from e2e_helpers import Backend
 from prometheus_client import REGISTRY
 
 from kvscorer_tools.envoyrun import EnvoyProcess
@@ -30,7 +31,7 @@ def served_elsewhere() -> float:
 
 
 async def test_override_host_serves_the_fallback_when_the_primary_is_down(
-    backends: list[Backend],
+    backends: list[Backend], closed_port: Callable[[], int]
 ) -> None:
     dead = f"127.0.0.1:{closed_port()}"
     live = backends[0]

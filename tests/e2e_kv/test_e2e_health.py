@@ -12,7 +12,6 @@ still holds.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+from ports import HeldPort
 
 from kvscorer_tools.bench.e2e import write_stub_tokenizer
 from kvscorer_tools.envoyrun import EnvoyProcess
@@ -34,12 +34,6 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.envoy]
 
 MODEL = "sim-model"
 BLOCK = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _sim_config(http_port: int, zmq_port: int) -> SimConfig:
@@ -81,14 +75,14 @@ class Stack:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
     tok = write_stub_tokenizer(Path(tmp_path_factory.mktemp("tok")) / "tokenizer.json")
-    ports = [(_free_port(), _free_port()) for _ in range(2)]
+    # Every port stays held (bound, not listening, tests/ports.py) for the whole module:
+    # the ghost's, so nothing started later takes it, e.g. an Envoy listener on port 0
+    # (seen: Envoy then reached itself through the ghost and answered 502); the workers'
+    # (HTTP, ZMQ), so the port of a worker a test kills is still free for its restart.
+    held = [HeldPort() for _ in range(5)]
+    ports = [(held[0].port, held[1].port), (held[2].port, held[3].port)]
     sims = [SimWorker(_sim_config(h, z)) for h, z in ports]
-    # The ghost's port stays bound (not listening: connecting is refused) for the whole
-    # module, so nothing started later takes it, e.g. an Envoy listener on port 0 (seen:
-    # Envoy then reached itself through the ghost and answered 502).
-    ghost_sock = socket.socket()
-    ghost_sock.bind(("127.0.0.1", 0))
-    ghost = f"127.0.0.1:{ghost_sock.getsockname()[1]}"
+    ghost = held[4].endpoint
     started: list[SimWorker] = []
     app: App | None = None
     try:
@@ -137,7 +131,8 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         # `sims` holds a restarted worker in place of the one the test killed.
         for s in {id(s): s for s in [*started, *sims]}.values():
             await s.stop()
-        ghost_sock.close()
+        for h in held:
+            h.close()
 
 
 async def _complete(stack: Stack, prompt: list[int]) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import io
-import socket
 from argparse import Namespace
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -32,12 +32,6 @@ EP = "10.0.0.1:8000"
 def blk(i: int, j: int | None = None) -> list[int]:
     j = i + 1 if j is None else j
     return TOKENS[i * BS : j * BS]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_ingest(workers: list[dict[str, Any]], **index: Any) -> EventIngest:
@@ -182,8 +176,10 @@ async def test_all_blocks_cleared_purges(ctx: zmq.asyncio.Context) -> None:
         await pub.close()
 
 
-async def test_bind_mode_and_two_ranks(ctx: zmq.asyncio.Context) -> None:
-    port = free_port()
+async def test_bind_mode_and_two_ranks(
+    ctx: zmq.asyncio.Context, closed_port: Callable[[], int]
+) -> None:
+    port = closed_port()
     ing = make_ingest(
         [{"endpoint": EP, "events": {"endpoint": f"tcp://127.0.0.1:{port}", "mode": "bind"}}]
     )

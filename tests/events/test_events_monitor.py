@@ -12,8 +12,7 @@ tests record the order over reconnect cycles and stops.
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -79,12 +78,6 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Calls]:
     yield c
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _bind(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
     """A PUB on a fixed address (the previous one's listener closes asynchronously)."""
     for _ in range(500):
@@ -100,11 +93,13 @@ async def _bind(ctx: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
 
 
 async def test_subscriber_stops_its_monitor_before_closing_the_reader(
-    ctx: zmq.asyncio.Context, calls: Calls
+    ctx: zmq.asyncio.Context,
+    calls: Calls,
+    closed_port: Callable[[], int],
 ) -> None:
     """A connect-mode stream whose publisher goes away twice: each drop opens a new
     socket; every old socket (and the last, at stop) has its monitor stopped first."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{closed_port()}"
     config = make_config(
         [{"endpoint": EP, "events": address}], events={"reconnect_interval_s": 0.01}
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -24,12 +24,6 @@ READY_NAMES = [
 ]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Clock:
@@ -100,8 +94,10 @@ async def readyz(port: int) -> tuple[int, str]:
         return r.status, await r.text()
 
 
-async def test_readiness_waits_for_the_event_stream_to_connect(harness: Any) -> None:
-    port = free_port()  # nothing publishes here yet
+async def test_readiness_waits_for_the_event_stream_to_connect(
+    harness: Any, closed_port: Callable[[], int]
+) -> None:
+    port = closed_port()  # nothing publishes here yet
     worker = {"endpoint": "127.0.0.1:7001", "events": f"tcp://127.0.0.1:{port}"}
     h = await harness(
         pool={"workers": [worker]},
@@ -128,8 +124,10 @@ async def test_readiness_waits_for_the_event_stream_to_connect(harness: Any) -> 
     assert (await readyz(h.app.admin_port))[0] == 200
 
 
-async def test_readiness_opens_after_the_events_timeout(harness: Any) -> None:
-    worker = {"endpoint": "127.0.0.1:7001", "events": f"tcp://127.0.0.1:{free_port()}"}
+async def test_readiness_opens_after_the_events_timeout(
+    harness: Any, closed_port: Callable[[], int]
+) -> None:
+    worker = {"endpoint": "127.0.0.1:7001", "events": f"tcp://127.0.0.1:{closed_port()}"}
     h = await harness(pool={"workers": [worker]}, server={"readiness_events_timeout_s": 0.3})
     await asyncio.wait_for(wait_serving(h.app.health_port), 10)
     assert not h.app.events.status("127.0.0.1:7001").connected

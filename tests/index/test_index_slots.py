@@ -3,6 +3,8 @@ worker that reuses the slot (bit) inherits none of its blocks."""
 
 from __future__ import annotations
 
+import asyncio
+from array import array
 from typing import Any
 
 import pytest
@@ -11,9 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scorer.blocks import BlockHasher
-from scorer.config import Config
+from scorer.config import Config, IndexConfig
 from scorer.events.ingest import EventIngest
-from scorer.index import MEDIA, BlockIndex
+from scorer.index import MEDIA, BlockIndex, block_index
 from scorer.pool import Pool
 
 KEYS = BlockHasher(4).keys(list(range(4 * 12)))
@@ -94,6 +96,83 @@ def test_purge_forgets_a_block_whose_engine_key_was_reused(native: bool) -> None
     _check_bits(idx)
 
 
+@NATIVE
+def test_an_engine_key_sent_again_names_one_block(native: bool) -> None:
+    # A publisher that sends one engine key again and again with other blocks: each send
+    # replaces the block the key named, so the worker's entries stay within its bound (its
+    # engine map's size) instead of growing by one unreachable entry per send.
+    idx = BlockIndex(IndexConfig(max_blocks_per_worker=4), native=native)
+    many = BlockHasher(4).keys(list(range(4 * 200)))
+    idx.add("peer", 0, [1], [many[0]])
+    for i, k in enumerate(many):
+        idx.add("a", 0, array("Q", [7]) if i % 2 else [7], array("Q", [k]) if i % 2 else [k])
+    assert idx.total_entries() == 2  # "a" holds only the last block, "peer" its own
+    assert set(idx.match([many[-1]])) == {"a"}
+    assert set(idx.match([many[0]])) == {"peer"}  # dropped from "a" only
+    # A block sent under two engine keys in one event, one of which named another block:
+    # kept (this event stores it).
+    idx.add("a", 0, [8, 7], [many[5], many[5]])
+    assert set(idx.match([many[5]])) == {"a"} and idx.stats("a")["blocks"]["GPU"] == 1
+    # More blocks than engine keys: the extra ones are not stored (nothing could remove them).
+    idx.add("b", 0, [1], [many[1], many[2]])
+    assert idx.stats("b")["blocks"]["GPU"] == 1 and idx.match([many[2]]) == {}
+    _check_bits(idx)
+
+
+class _Watched(dict[int, int]):
+    """A medium dict that counts full scans."""
+
+    scans = 0
+
+    def items(self) -> Any:
+        self.scans += 1
+        return super().items()
+
+
+def test_release_reads_only_the_workers_own_entries() -> None:
+    # A worker leaving the pool costs its own entries, never a scan of every entry (it
+    # used to, when an engine key had been sent again for another block).
+    idx = BlockIndex(native=False)
+    gpu = _Watched()
+    idx._media["GPU"] = idx._gpu = gpu
+    big = BlockHasher(4).keys(list(range(10_000, 10_000 + 4 * 300)))
+    idx.add("big", 0, range(300), big)
+    idx.add("a", 0, [1, 2], KEYS[:2])
+    idx.add("a", 0, [1], [KEYS[5]])  # engine key 1 now names another block
+    idx.release("a")
+    assert gpu.scans == 0
+    assert idx.total_entries() == 300 and set(idx.match(KEYS[:1])) == set()
+    _check_bits(idx)
+
+
+@NATIVE
+async def test_a_big_release_leaves_in_chunks_between_loop_turns(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the event loop a released worker's entries leave a chunk per loop turn: the
+    # worker is gone from every answer at once, its bit is freed only when no entry has it.
+    monkeypatch.setattr(block_index, "RELEASE_CHUNK", 10)
+    idx = BlockIndex(native=native)
+    many = BlockHasher(4).keys(list(range(4 * 100)))
+    idx.add("stays", 0, [1], many[:1])
+    idx.add("old", 0, range(100), many)
+    bit = idx._table.slots["old", 0].bit
+    idx.release("old")
+    assert idx.total_entries() == 1 + 90  # one chunk went at once
+    assert set(idx.match(many)) == {"stays"} and "old" not in idx.endpoints()
+    idx.add("new", 0, [5], many[:1])  # the bit is not free yet: a new one is taken
+    assert idx._table.slots["new", 0].bit != bit
+    for _ in range(100):  # bounded: 9 more turns are needed
+        if not idx._leaving:
+            break
+        await asyncio.sleep(0)
+    assert not idx._leaving and idx.total_entries() == 2
+    _check_bits(idx)
+    idx.add("newer", 0, [6], many[:1])
+    assert idx._table.slots["newer", 0].bit == bit  # freed once cleared
+    assert {e: m.blocks for e, m in idx.match(many).items()} == {"stays": 1, "new": 1, "newer": 1}
+
+
 async def test_a_worker_removed_from_the_pool_releases_its_slot() -> None:
     config = Config.model_validate(
         {"pool": {"workers": [{"endpoint": "10.0.0.1:8000"}, {"endpoint": "10.0.0.2:8000"}]}}
@@ -172,6 +251,18 @@ def _view(idx: BlockIndex, prompt: list[int]) -> dict[str, tuple[int, dict[str, 
     victim="a",
     new=[],
     plen=2,
+)
+@example(  # one engine key twice in one event, for two blocks: the first is replaced
+    ops=[("add", "a", 0, "GPU", []), ("add", "a", 0, "GPU", [(0, 1), (0, 0)])],
+    victim="a",
+    new=[(0, 1)],
+    plen=1,
+)
+@example(  # the same on a second dp rank, nothing added after the release
+    ops=[("add", "a", 0, "GPU", []), ("add", "a", 1, "GPU", [(0, 0), (0, 1)])],
+    victim="a",
+    new=[],
+    plen=1,
 )
 @example(  # the same block added twice in one event, held by another worker too
     ops=[("add", "b", 0, "GPU", [(1, 0)]), ("add", "a", 0, "GPU", [(0, 0), (2, 0)])],

@@ -361,3 +361,32 @@ def test_kv_ships_the_fleet_terms_approx_keeps_the_plain_cost() -> None:
     assert (kv.session_weight, kv.session_live_s, kv.session_rebalance) == ("sessions", 600, 0)
     assert (approx.duplicate_cost, approx.continuity, approx.session_spread) == (0, 0, 0)
     assert approx.credit_decay == 0.1
+
+
+def test_block_life_state_follows_the_pool() -> None:
+    """A worker that leaves the pool takes its eviction rate and BlockRemoved count along:
+    the block-life state is bounded by the live pool, not by every endpoint ever seen, and
+    a worker that joins again at that address starts from no rate (as its index slot)."""
+    s = make(2, options={**BASE, "block_life": True, "life_window_s": 10.0})
+    life = s.policy.scorers[0].life
+    gone = endpoint(1)
+    wc = s.pool.workers[gone].config
+    now = s.policy.clock()
+    life.removed(gone, 100, now)
+    life.removed(endpoint(0), 50, now)
+    assert life.eviction_rate(gone, now) == pytest.approx(10.0)
+    s.pool.remove(gone, "deleted")
+    assert life.eviction_rate(gone, now) == 0.0
+    assert life.eviction_rate(endpoint(0), now) == pytest.approx(5.0)  # stays
+    s.pool.add(wc, "ready")
+    life.removed(gone, 0, now)  # its new slot's count starts again at 0: no evictions
+    assert life.eviction_rate(gone, now) == 0.0
+    # Churn: many workers come and go; the state holds only the live ones.
+    for i in range(2, 50):
+        ep = endpoint(i)
+        s.pool.add(wc.model_copy(update={"endpoint": ep}), "ready")
+        life.removed(ep, i, now)
+        life.routed(ep, [i], 1.0, now, full=True)
+        s.pool.remove(ep, "deleted")
+    assert set(life._rate) <= set(s.pool.workers)
+    assert set(life._removed) <= set(s.pool.workers)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,12 +26,6 @@ from scorer.index import BlockIndex
 from scorer.pool.health import EJECTIONS, EVIDENCE, HealthMonitor, describe
 from scorer.pool.scrape import LoadScraper
 from scorer.pool.workers import Pool, Worker
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager
@@ -63,8 +56,10 @@ def _count(counter: Any, *labels: str) -> float:
     return float(counter.labels(*labels)._value.get())
 
 
-async def test_killed_worker_is_ejected_on_evidence_and_readmitted_when_back() -> None:
-    alive_port, dead_port = _free_port(), _free_port()
+async def test_killed_worker_is_ejected_on_evidence_and_readmitted_when_back(
+    closed_port: Callable[[], int],
+) -> None:
+    alive_port, dead_port = closed_port(), closed_port()
     alive, dead = f"127.0.0.1:{alive_port}", f"127.0.0.1:{dead_port}"
     config = _config([alive, dead])
     pool = Pool.from_config(config)
@@ -115,7 +110,7 @@ async def test_killed_worker_is_ejected_on_evidence_and_readmitted_when_back() -
         await monitor.stop()
 
 
-async def test_whole_fleet_scrape_timeout_ejects_nobody() -> None:
+async def test_whole_fleet_scrape_timeout_ejects_nobody(closed_port: Callable[[], int]) -> None:
     """Every worker's metrics endpoint hangs past the scrape timeout: no evidence, nobody
     ejected (DESIGN.md: a slow scrape is never read as a dead worker)."""
     release = asyncio.Event()
@@ -134,7 +129,7 @@ async def test_whole_fleet_scrape_timeout_ejects_nobody() -> None:
     # Serving ports closed too: if a timeout were taken as evidence, the probe would eject.
     workers = [
         {
-            "endpoint": f"127.0.0.1:{_free_port()}",
+            "endpoint": f"127.0.0.1:{closed_port()}",
             "metrics_url": f"http://127.0.0.1:{mport}/metrics",
         }
         for _ in range(3)
@@ -160,11 +155,13 @@ async def test_whole_fleet_scrape_timeout_ejects_nobody() -> None:
         await runner.cleanup()
 
 
-async def test_refused_metrics_port_is_evidence_and_the_serving_port_decides() -> None:
-    serving = _free_port()
+async def test_refused_metrics_port_is_evidence_and_the_serving_port_decides(
+    closed_port: Callable[[], int],
+) -> None:
+    serving = closed_port()
     up = f"127.0.0.1:{serving}"
-    down = f"127.0.0.1:{_free_port()}"
-    closed_metrics = f"http://127.0.0.1:{_free_port()}/metrics"
+    down = f"127.0.0.1:{closed_port()}"
+    closed_metrics = f"http://127.0.0.1:{closed_port()}/metrics"
     config = _config(
         [
             {"endpoint": up, "metrics_url": closed_metrics},
@@ -191,14 +188,14 @@ async def test_refused_metrics_port_is_evidence_and_the_serving_port_decides() -
         await monitor.stop()
 
 
-async def test_dropped_event_stream_is_evidence() -> None:
+async def test_dropped_event_stream_is_evidence(closed_port: Callable[[], int]) -> None:
     """The worker's ZMQ PUB goes away (process killed): the subscriber's socket monitor
     reports it, the probe of its closed serving port confirms, it is ejected."""
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)
     zport = pub.bind_to_random_port("tcp://127.0.0.1")
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{closed_port()}"
     config = _config([{"endpoint": endpoint, "events": f"tcp://127.0.0.1:{zport}"}])
     pool = Pool.from_config(config)
     index = BlockIndex(config.index)
@@ -224,8 +221,8 @@ async def test_dropped_event_stream_is_evidence() -> None:
         ctx.destroy(linger=0)
 
 
-async def test_disabled_health_never_ejects() -> None:
-    dead = f"127.0.0.1:{_free_port()}"
+async def test_disabled_health_never_ejects(closed_port: Callable[[], int]) -> None:
+    dead = f"127.0.0.1:{closed_port()}"
     config = _config([dead])
     config.pool.health.enabled = False
     pool = Pool.from_config(config)
@@ -240,9 +237,9 @@ async def test_disabled_health_never_ejects() -> None:
         await monitor.stop()
 
 
-async def test_removed_worker_stops_being_probed() -> None:
+async def test_removed_worker_stops_being_probed(closed_port: Callable[[], int]) -> None:
     """Ejection is a health state of a worker in the pool; removal (discovery) ends it."""
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{closed_port()}"
     config = _config([dead])
     pool = Pool.from_config(config)
     monitor = HealthMonitor(config, pool)
@@ -264,11 +261,13 @@ async def test_removed_worker_stops_being_probed() -> None:
         await monitor.stop()
 
 
-async def test_stop_ends_probing_even_when_a_probe_loses_the_cancel() -> None:
+async def test_stop_ends_probing_even_when_a_probe_loses_the_cancel(
+    closed_port: Callable[[], int],
+) -> None:
     """A probe that finishes in the turn it is cancelled (Python 3.11's `wait_for` did:
     it returned the refusal and dropped the cancel) must not keep `stop()` waiting while
     the probe loop runs on against a worker that never comes back (a hang in make test)."""
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{closed_port()}"
     config = _config([dead])
     pool = Pool.from_config(config)
     calls: list[str] = []

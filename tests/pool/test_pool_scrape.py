@@ -14,7 +14,7 @@ from aiohttp import web
 from configs import make_config
 from prometheus_client import REGISTRY
 
-from scorer.pool.scrape import LoadScraper, fresh_scrape, parse_metrics
+from scorer.pool.scrape import MAX_PAGE_BYTES, LoadScraper, fresh_scrape, parse_metrics
 from scorer.pool.workers import Pool
 
 # The shape of a vLLM v1 /metrics page (names and label sets as vLLM 0.10+ prints them).
@@ -91,6 +91,9 @@ class FakeEngine:
             return web.Response(text="<html>not metrics</html>\n")
         if self.mode == "sglang":
             return web.Response(text=SGLANG_PAGE)
+        if self.mode == "huge":  # a valid page padded past the scraper's bound
+            pad = "# HELP padding " + "x" * 1000 + "\n"
+            return web.Response(text=SGLANG_PAGE + pad * (MAX_PAGE_BYTES // 1000))
         page = VLLM_PAGE.format(
             running=self.running, waiting=self.waiting, usage=self.usage, block_size=self.block_size
         )
@@ -269,6 +272,22 @@ async def test_failing_and_stale_scrapes_are_visible_not_saturating(
         await until(lambda: w0.scraped.failures == 0, "a good scrape again")
         assert w0.scraped.failures == 0 and w0.scraped.error is None
         assert fresh_scrape(w0.scraped, scraper.clock(), 0.3)
+    finally:
+        await scraper.stop()
+
+
+async def test_oversized_page_is_a_bad_payload_read_no_further(engines: list[FakeEngine]) -> None:
+    scraper, pool = make_scraper(engines[:1])
+    await scraper.start()
+    try:
+        w = next(iter(pool))
+        assert await scraper.scrape(w) and w.scraped.waiting == 1
+        engines[0].mode = "huge"
+        assert not await scraper.scrape(w)
+        assert w.scraped.error == f"metrics page over {MAX_PAGE_BYTES} bytes"
+        assert w.scraped.waiting == 1  # the last good view is kept, not the huge page's
+        engines[0].mode = "sglang"  # the same page without the padding is read
+        assert await scraper.scrape(w) and w.scraped.waiting == 3
     finally:
         await scraper.stop()
 

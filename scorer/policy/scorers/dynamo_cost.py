@@ -26,7 +26,7 @@ from scorer.pool.prefill import PrefillModel
 
 if TYPE_CHECKING:
     from scorer.policy.base import PolicyContext
-    from scorer.pool.workers import Worker
+    from scorer.pool.workers import PoolChange, Worker
 
 
 class DynamoCostOptions(CostModelOptions):
@@ -71,12 +71,19 @@ class DynamoCost(Scorer):
             if options.block_life
             else None
         )
+        if self.life is not None:
+            # A worker leaving the pool takes its block-life state along (bounded by the pool).
+            ctx.pool.subscribe(self._pool_changed)
         sessions = options.continuity > 0.0 or options.session_spread > 0.0
         self.sessions = Sessions(live_s=options.session_live_s) if sessions else None
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
         if options.source == "decisions":
             self.approx = ApproxIndex(options.ttl_s, options.max_keys, clock)
+
+    def _pool_changed(self, change: PoolChange) -> None:
+        if change.change == "removed" and self.life is not None:
+            self.life.forget(change.worker.endpoint)
 
     def _life_rate_from(self) -> str:
         """`events` when asked for and the index counts BlockRemoved per worker, else
