@@ -644,57 +644,29 @@ class Subscriber:
             self.stats.last_seq.pop(rank, None)
 
     async def _replay(self, rank: int, start: int, until: int) -> str:
+        """Apply [start, until) from the replay buffer: fetched as a sync fetches (again
+        from the first missing seq when the ROUTER cut its reply, instead of a purge),
+        decoded off the loop, applied in bursts."""
         if not self.events.replay_endpoint:
             return "unavailable"
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        # Past its send HWM (1,000 by default) vLLM's ROUTER drops replies silently; a
-        # buffer of 10,000 batches read by a busy scorer lost some that way. A receive HWM
-        # above vLLM's buffer lets ZMQ's I/O thread take the whole reply at once
-        # (bounded: the buffer's size x events.max_message_bytes).
-        dealer.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
-        timeout = self.config.replay_timeout_s
-        expect = start
-        try:
-            dealer.connect(self.events.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                try:
-                    async with asyncio.timeout(timeout):
-                        frames = await dealer.recv_multipart()
-                except TimeoutError:
-                    return "timeout"
-                try:
-                    topic, seq_b, payload = split_replay_reply(frames)
-                    if seq_b == END_SEQ:
-                        return "ok" if expect >= until else "too_old"
-                    seq = decode_seq(seq_b)
-                except DecodeError as e:
-                    self._error(e)
-                    return "error"
-                if seq < expect:
-                    continue  # already applied
-                if seq > expect:
-                    return "too_old"  # the buffer no longer reaches back to `start`
-                if seq >= until:
-                    return "ok"  # the live stream carries the rest
-                try:
-                    batch = decode_payload(payload)
-                except DecodeError as e:
-                    self._error(e)
-                    return "error"
-                for err in batch.errors:
-                    self._error(err)
-                self._apply(Message(topic or "", seq, batch), rank)
-                expect = seq + 1
-                if (expect - start) % BURST == 0:
-                    await asyncio.sleep(0)  # a long gap is applied in bursts, as live
-        except zmq.ZMQError as e:
-            self._log_once("replay", f"replay from {self.events.replay_endpoint} failed: {e}")
-            return "error"
-        finally:
-            dealer.close(linger=0)
+        outcome, raw = await self._fetch_replay(start)
+        if outcome != "ok":
+            return outcome
+        # Contiguous from the buffer's first seq >= start: it must reach back to `start`
+        # and on to the live message that showed the gap.
+        if not raw or raw[0][1] != start or raw[-1][1] < until - 1:
+            return "too_old"
+        need = [r for r in raw if r[1] < until]
+        for i, m in enumerate(await asyncio.to_thread(_decode_replies, need)):
+            if isinstance(m, DecodeError):
+                self._error(m)
+                return "error"
+            for err in m.batch.errors:
+                self._error(err)
+            self._apply(m, rank)
+            if (i + 1) % BURST == 0:
+                await asyncio.sleep(0)  # a long gap is applied in bursts, as live
+        return "ok"
 
 
 def _decode_replies(raw: list[tuple[str | None, int, bytes]]) -> list[Message | DecodeError]:
