@@ -24,3 +24,15 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
     for t in tasks:
         if not t.cancelled():
             t.exception()
+
+
+async def wait_all(*tasks: asyncio.Task[Any]) -> None:
+    """Wait until each of `tasks` has finished, without cancelling them (a close in
+    progress must end); their outcome is retrieved and dropped. A cancellation of the
+    caller meanwhile propagates and leaves them running."""
+    pending = [t for t in tasks if not t.done()]
+    if pending:
+        await asyncio.wait(pending)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scorer.tasks import cancel_and_wait
+from scorer.tasks import cancel_and_wait, wait_all
 
 
 async def _slow_to_stop(release: asyncio.Event, stopping: asyncio.Event) -> None:
@@ -60,3 +60,28 @@ async def test_children_end_whatever_they_raise() -> None:
     assert failed.done() and not failed.cancelled()  # finished before: not cancelled
     assert waiting.cancelled()
     assert done.done() and done.result() is None
+
+
+async def test_wait_all_lets_the_tasks_finish_and_keeps_the_callers_cancel() -> None:
+    """A close in progress is waited for, not cancelled; a cancel of the waiter ends the
+    wait (raised) and leaves the close running."""
+    release = asyncio.Event()
+
+    async def closing() -> None:
+        await release.wait()
+
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    close, failed = asyncio.create_task(closing()), asyncio.create_task(fails())
+    waiter = asyncio.create_task(wait_all(close, failed))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(10):
+            await waiter
+    assert not close.done()  # still closing: not cancelled by the waiter's cancel
+    release.set()
+    async with asyncio.timeout(10):
+        await wait_all(close, failed)  # the failure is retrieved, not raised
+    assert close.done() and not close.cancelled() and failed.done()

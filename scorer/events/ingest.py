@@ -16,7 +16,6 @@ It starts one `Subscriber` per pool worker that has `events` configured (when
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -35,6 +34,7 @@ from scorer.index import BlockIndex
 from scorer.pool import Pool
 from scorer.pool.workers import PoolChange
 from scorer.routing import Decision
+from scorer.tasks import cancel_and_wait, wait_all
 
 Tokenize = Callable[[str | None, dict[str, Any]], list[int] | None]
 
@@ -62,7 +62,10 @@ class EventIngest:
         self.applier = Applier(index, hasher)
         self.subscribers: dict[str, Subscriber] = {}
         self._context: zmq.asyncio.Context | None = None
-        # Workers come and go (scorer.pool.discovery): follow the pool from now on.
+        # Workers come and go (scorer.pool.discovery): follow the pool from now on. Their
+        # subscribers' start() and stop() run as tasks: stop() cancels the starts and waits
+        # for the closes (each closes its sockets before the context goes).
+        self._starting: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()
         pool.subscribe(self._pool_changed)
 
@@ -94,8 +97,8 @@ class EventIngest:
             )
             self.subscribers[ep] = sub
             task = asyncio.get_running_loop().create_task(sub.start())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._starting.add(task)
+            task.add_done_callback(self._starting.discard)
 
     async def start(self) -> None:
         """Open a SUB socket per worker (connect or bind, per its `events.mode`)."""
@@ -122,17 +125,21 @@ class EventIngest:
         self.pool.report(endpoint, "events_dropped", "KV-event stream disconnected")
 
     async def stop(self) -> None:
-        for sub in self.subscribers.values():
-            await sub.stop()
-        self.subscribers.clear()
-        for task in list(self._closing):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if self._context is not None:
-            # destroy, not term: term() blocks in libzmq while any socket is still open,
-            # so a leaked one would hang shutdown; every subscriber is stopped by now.
-            self._context.destroy(linger=0)
-            self._context = None
+        """Stop every subscriber, then the ZMQ context. A cancellation of the caller
+        propagates (never swallowed by a wait for a subscriber); the context still goes."""
+        try:
+            await cancel_and_wait(*self._starting)
+            for sub in list(self.subscribers.values()):
+                await sub.stop()
+            self.subscribers.clear()
+            await wait_all(*self._closing)
+        finally:
+            if self._context is not None:
+                # destroy, not term: term() blocks in libzmq while any socket is still
+                # open, so a leaked one would hang shutdown; every subscriber is stopped by
+                # now (or the stop was cancelled: destroy closes what is left).
+                self._context.destroy(linger=0)
+                self._context = None
 
     def status(self, endpoint: str) -> StreamStatus:
         """The worker's stream status (a fresh disconnected status when it has no stream)."""
@@ -275,6 +282,9 @@ class EventIngest:
                     "decode_errors": dict(sub.stats.decode_errors),
                     "drops": dict(sub.stats.drops),
                     "restarts": sub.stats.restarts,
+                    "syncs": dict(sub.stats.syncs),
+                    "warm_messages": sub.stats.warm_messages,
+                    "sync_skipped": sub.stats.sync_skipped,
                     "unrecovered_gap": s.unrecovered_gap,
                     "bind_error": sub.stats.bind_error,
                 }

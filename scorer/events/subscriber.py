@@ -37,6 +37,7 @@ from scorer.events.decode import (
     ERROR_KINDS,
     AllBlocksCleared,
     DecodeError,
+    EventBatch,
     Message,
     decode_message,
     decode_payload,
@@ -78,6 +79,12 @@ SYNCS = Counter(
     "Replay-socket syncs on (re)connection by outcome (ok, unavailable, timeout, error)",
     ["outcome"],
 )
+SYNC_MESSAGES = Counter(
+    "kv_scorer_event_sync_messages_total",
+    "Messages read from a replay buffer on (re)connection, by outcome (applied; skipped: "
+    "before the buffer's last AllBlocksCleared on a warm start, an earlier history)",
+    ["outcome"],
+)
 CONNECTED = Gauge(
     "kv_scorer_event_streams_connected", "KV-event streams with a live ZMQ connection"
 )
@@ -85,6 +92,11 @@ _ERR = {k: DECODE_ERRORS.labels(k) for k in ERROR_KINDS}
 
 # Messages handled before yielding to the event loop (bounded time per burst).
 BURST = 32
+# Replay replies a DEALER may queue: vLLM's replay buffer (buffer_steps, 10,000 by
+# default, vllm/distributed/kv_events.py ZmqEventPublisher) and its end marker, with room.
+_REPLAY_RCVHWM = 20_000
+# Replay requests one sync may make to get a whole buffer (see Subscriber._fetch_replay).
+_REPLAY_ROUNDS = 20
 
 
 @dataclass(slots=True)
@@ -111,6 +123,7 @@ class StreamStats:
     restarts: int = 0
     syncs: dict[str, int] = field(default_factory=dict)  # by outcome (see SYNCS)
     warm_messages: int = 0  # messages a sync applied for ranks we knew nothing about
+    sync_skipped: int = 0  # ...and skipped: before the buffer's last AllBlocksCleared
     bind_error: str | None = None
 
 
@@ -447,29 +460,48 @@ class Subscriber:
     async def _sync(self) -> None:
         """On every (re)connection: read everything the worker's replay socket keeps.
 
-        * warm start: a rank we know nothing about gets every buffered message applied, so a
-          scorer started next to a warm fleet knows what the buffers cover at once;
+        * warm start: a rank we know nothing about gets the buffered messages applied from
+          its last `AllBlocksCleared` on (what came before it is gone from the engine's
+          cache: an earlier run's history, e.g. before `/reset_prefix_cache`; vLLM never
+          empties its replay buffer), so a scorer started next to a warm fleet knows what
+          the buffers cover at once and one started after a reset starts clean;
         * restart: the buffer is empty while we applied messages before, or it has no
           message with our last seq, or that message's batch timestamp differs from the one
           we applied — a new engine: purge now, then apply its buffer (a restarted engine
           that has not published yet no longer keeps the dead engine's blocks);
         * reconnect: messages after our last seq are applied; if the buffer no longer
           reaches back to it, the worker is purged first (gap) and rebuilt from the buffer.
+
+        The buffer (up to vLLM's 10,000 batches, each with the token ids of its blocks) is
+        decoded in a worker thread and applied in bursts, so a sync never holds the event
+        loop: a stalled loop let speculative entries expire before the BlockStored
+        confirming them was read (docs/policy.md, "lost events").
         """
-        outcome, msgs = await self._fetch_replay(0)
+        outcome, raw = await self._fetch_replay(0)
+        if outcome == "ok":
+            await self._apply_sync(raw)
+        # Counted once applied: a count in /debug/index says the sync is over.
         SYNCS.labels(outcome).inc()
         self._count(self.stats.syncs, outcome)
-        if outcome != "ok":
-            return
+
+    async def _apply_sync(self, raw: list[tuple[str | None, int, bytes]]) -> None:
+        """Apply a whole replay buffer as `_sync` says."""
         known = self.stats.last_seq
-        if not msgs:
+        if not raw:
             if known:
                 self._restarted()
             return
+        msgs: list[Message] = []
+        for m in await asyncio.to_thread(_decode_replies, raw):
+            if isinstance(m, DecodeError):
+                self._error(m)
+            else:
+                msgs.append(m)
         by_rank: dict[int, list[Message]] = {}
         for m in msgs:
             by_rank.setdefault(m.batch.dp_rank or 0, []).append(m)
         idx = self.applier.index
+        applied = 0
         for rank, ms in by_rank.items():
             if (
                 not idx.has_rank(self.endpoint, rank)
@@ -490,44 +522,104 @@ class Subscriber:
                     self._purge("gap")
                     known.pop(rank, None)
                     last = None
-            todo = ms if last is None else [m for m in ms if m.seq > last]
+            if last is None:
+                todo = _since_last_clear(ms)
+                skipped = len(ms) - len(todo)
+                if skipped:
+                    SYNC_MESSAGES.labels("skipped").inc(skipped)
+                    self.stats.sync_skipped += skipped
+                self.stats.warm_messages += len(todo)
+            else:
+                todo = [m for m in ms if m.seq > last]
             for m in todo:
                 for err in m.batch.errors:
                     self._error(err)
                 self._apply(m, rank)
-            self.stats.warm_messages += len(todo) if last is None else 0
+                applied += 1
+                if applied % BURST == 0:
+                    await asyncio.sleep(0)  # requests run between bursts
+            if todo:
+                SYNC_MESSAGES.labels("applied").inc(len(todo))
+            # Skipped to the end (the buffer ends with a clear): the stream is at its last
+            # message all the same, so the next live one is not taken for a gap.
+            if ms[-1].seq > self.stats.last_seq.get(rank, -1):
+                self.stats.last_seq[rank] = ms[-1].seq
+                self._last_ts[rank] = ms[-1].batch.ts
             self._synced[rank] = {m.seq: m.batch.ts for m in ms}
 
-    async def _fetch_replay(self, start: int) -> tuple[str, list[Message]]:
-        """Every message the replay socket keeps from `start` (bounded by its buffer)."""
+    async def _fetch_replay(self, start: int) -> tuple[str, list[tuple[str | None, int, bytes]]]:
+        """Every message the replay socket keeps from `start` (bounded by its buffer), as
+        (topic, seq, payload) sorted by seq and still encoded (decoding is the caller's,
+        off the loop).
+
+        vLLM's ROUTER sends the whole buffer at once and drops what is past its send HWM
+        (1,000 messages by default) without a word, the end marker too: a long buffer
+        arrives with holes, or ends in silence. So the fetch is repeated from the first
+        missing seq until a reply is whole (contiguous up to the end marker); a round that
+        brings nothing new ends it ("timeout")."""
         if not self.events.replay_endpoint:
             return "unavailable", []
-        dealer = self.context.socket(zmq.DEALER)
+        got: dict[int, tuple[str | None, bytes]] = {}
+        want = start
+        for _ in range(_REPLAY_ROUNDS):
+            outcome, ended, part = await self._fetch_round(want)
+            if outcome != "ok":
+                return outcome, []
+            new = [q for q in part if q not in got]
+            got.update(part)
+            if not got:
+                return ("ok" if ended else "timeout"), []
+            # The first missing seq after the earliest one we hold (the buffer's first).
+            first = min(got)
+            hole = first
+            while hole in got:
+                hole += 1
+            if ended and hole > max(got):
+                return "ok", [(got[q][0], q, got[q][1]) for q in sorted(got)]
+            if not new:
+                return "timeout", []
+            want = hole
+        return "timeout", []
+
+    async def _fetch_round(
+        self, start: int
+    ) -> tuple[str, bool, dict[int, tuple[str | None, bytes]]]:
+        """One replay request from `start`: (outcome, end marker seen, seq → (topic,
+        payload)). Silence for replay_timeout_s ends the round without the marker."""
+        assert self.events.replay_endpoint
+        dealer = self.context.socket(zmq.DEALER)  # a fresh one: no late reply of a round before
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        out: list[Message] = []
+        # Queue the whole reply in ZMQ's I/O thread while the loop is busy (bounded: the
+        # HWM x events.max_message_bytes), so fewer replies back up to the sender's HWM.
+        dealer.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
+        out: dict[int, tuple[str | None, bytes]] = {}
         try:
             dealer.connect(self.events.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
+            while len(out) < _REPLAY_RCVHWM:
                 try:
                     async with asyncio.timeout(self.config.replay_timeout_s):
                         frames = await dealer.recv_multipart()
                 except TimeoutError:
-                    return "timeout", []
+                    return "ok", False, out
                 try:
                     topic, seq_b, payload = split_replay_reply(frames)
                     if seq_b == END_SEQ:
-                        return "ok", out
+                        return "ok", True, out
                     seq = decode_seq(seq_b)
-                    batch = decode_payload(payload)
                 except DecodeError as e:
                     self._error(e)
                     continue
-                out.append(Message(topic or "", seq, batch))  # errors counted if applied
+                if seq >= start:
+                    out[seq] = (topic, payload)
+                if len(out) % BURST == 0:
+                    # A ready message is returned without yielding: the loop stays ours.
+                    await asyncio.sleep(0)
+            return "ok", False, out
         except zmq.ZMQError as e:
             self._log_once("replay", f"replay from {self.events.replay_endpoint} failed: {e}")
-            return "error", []
+            return "error", False, {}
         finally:
             dealer.close(linger=0)
 
@@ -552,47 +644,57 @@ class Subscriber:
             self.stats.last_seq.pop(rank, None)
 
     async def _replay(self, rank: int, start: int, until: int) -> str:
+        """Apply [start, until) from the replay buffer: fetched as a sync fetches (again
+        from the first missing seq when the ROUTER cut its reply, instead of a purge),
+        decoded off the loop, applied in bursts."""
         if not self.events.replay_endpoint:
             return "unavailable"
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        timeout = self.config.replay_timeout_s
-        expect = start
+        outcome, raw = await self._fetch_replay(start)
+        if outcome != "ok":
+            return outcome
+        # Contiguous from the buffer's first seq >= start: it must reach back to `start`
+        # and on to the live message that showed the gap.
+        if not raw or raw[0][1] != start or raw[-1][1] < until - 1:
+            return "too_old"
+        need = [r for r in raw if r[1] < until]
+        for i, m in enumerate(await asyncio.to_thread(_decode_replies, need)):
+            if isinstance(m, DecodeError):
+                self._error(m)
+                return "error"
+            for err in m.batch.errors:
+                self._error(err)
+            self._apply(m, rank)
+            if (i + 1) % BURST == 0:
+                await asyncio.sleep(0)  # a long gap is applied in bursts, as live
+        return "ok"
+
+
+def _decode_replies(raw: list[tuple[str | None, int, bytes]]) -> list[Message | DecodeError]:
+    """Decode a replay's payloads (runs in a worker thread: no shared state)."""
+    out: list[Message | DecodeError] = []
+    for topic, seq, payload in raw:
         try:
-            dealer.connect(self.events.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                try:
-                    async with asyncio.timeout(timeout):
-                        frames = await dealer.recv_multipart()
-                except TimeoutError:
-                    return "timeout"
-                try:
-                    topic, seq_b, payload = split_replay_reply(frames)
-                    if seq_b == END_SEQ:
-                        return "ok" if expect >= until else "too_old"
-                    seq = decode_seq(seq_b)
-                except DecodeError as e:
-                    self._error(e)
-                    return "error"
-                if seq < expect:
-                    continue  # already applied
-                if seq > expect:
-                    return "too_old"  # the buffer no longer reaches back to `start`
-                if seq >= until:
-                    return "ok"  # the live stream carries the rest
-                try:
-                    batch = decode_payload(payload)
-                except DecodeError as e:
-                    self._error(e)
-                    return "error"
-                for err in batch.errors:
-                    self._error(err)
-                self._apply(Message(topic or "", seq, batch), rank)
-                expect = seq + 1
-        except zmq.ZMQError as e:
-            self._log_once("replay", f"replay from {self.events.replay_endpoint} failed: {e}")
-            return "error"
-        finally:
-            dealer.close(linger=0)
+            out.append(Message(topic or "", seq, decode_payload(payload)))
+        except DecodeError as e:
+            out.append(e)
+    return out
+
+
+def _since_last_clear(ms: list[Message]) -> list[Message]:
+    """The messages (sorted by seq) after the last `AllBlocksCleared`; the message holding
+    it keeps only the events that follow it. All of them when there is none."""
+    for i in range(len(ms) - 1, -1, -1):
+        events = ms[i].batch.events
+        cut = next(
+            (j for j in range(len(events) - 1, -1, -1) if isinstance(events[j], AllBlocksCleared)),
+            None,
+        )
+        if cut is None:
+            continue
+        rest = events[cut + 1 :]
+        if not rest:
+            return ms[i + 1 :]
+        b = ms[i].batch
+        head = Message(ms[i].topic, ms[i].seq, EventBatch(b.ts, rest, b.dp_rank, b.errors))
+        return [head, *ms[i + 1 :]]
+    return ms

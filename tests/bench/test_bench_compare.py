@@ -8,6 +8,7 @@ from pathlib import Path
 from kvscorer_tools.bench.compare import (
     continuations,
     e2e_rows,
+    event_path,
     follow_rows,
     main,
     parents,
@@ -78,3 +79,33 @@ def test_cli_writes_json(tmp_path: Path, capsys) -> None:  # type: ignore[no-unt
     got = json.loads(out.read_text())
     assert set(got) == {"round_robin"} and "replay" in got["round_robin"]
     assert "round_robin replay" in capsys.readouterr().out
+
+
+def test_event_path_counts_unconfirmed_blocks_and_an_earlier_runs_events() -> None:
+    # A results.json run entry as the last session's second repeat wrote it (abridged).
+    run = {
+        "speculative": {"confirmed": 17021, "inserted": 17853},
+        "events": {"AllBlocksCleared/ok": 56, "BlockRemoved/ok": 72394, "BlockStored/ok": 4829},
+        "at_start": {"sync_messages": {"skipped": 1200, "applied": 3}},
+        "gaps": {"": 1},
+        "purges": {"cleared": 56},
+    }
+    e = event_path(run)
+    assert e["unconfirmed"] == 832 and e["expired"] == 0 and e["cleared_in_run"] == 56
+    assert e["removed_in_run"] == 72394 and e["sync_skipped"] == 1200
+    assert e["sync_applied"] == 3 and e["gaps"] == 1 and e["purges"] == 56
+    assert e["replays"] == 0
+
+
+def test_cli_shows_the_event_path_from_results_json(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    rows = tmp_path / "run" / "cap-1000" / "requests"
+    rows.mkdir(parents=True)
+    runs = [{"speculative": {"inserted": 10, "confirmed": 7, "expired": 3}}]
+    doc = {"policies": {"round_robin": {"runs": runs}}}
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    out = tmp_path / "c.json"
+    main(["--rows", str(rows), "--policies", "round_robin", "--max-requests", "60",
+          "--json", str(out)])  # fmt: skip
+    got = json.loads(out.read_text())["round_robin"]["event_path"]
+    assert got[0]["unconfirmed"] == 3 and got[0]["expired"] == 3
+    assert "unconfirmed 3 (expired 3)" in capsys.readouterr().out

@@ -173,6 +173,17 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
         assert all(v >= 0 for v in cpu.values())
         assert cpu["sims"] + cpu["router"] + cpu["load_generator"] > 0
     assert "to engine p50" in (report.format_breakdown(doc["policies"]) or "")
+    # Each scorer read both workers' replay buffers before the load, skipping everything
+    # up to the reset's AllBlocksCleared (the first run: the clear alone; the second: the
+    # first run's events too): no earlier history reaches the index, nothing is cleared.
+    skipped = []
+    for r in rr["runs"]:
+        start = r["at_start"]
+        assert start["syncs"] == {"ok": 2} and "applied" not in start["sync_messages"]
+        skipped.append(start["sync_messages"]["skipped"])
+        assert "AllBlocksCleared/ok" not in r.get("events", {})
+        assert "AllBlocksCleared/ok" not in start.get("events", {})
+    assert skipped[0] == 2 and skipped[1] > skipped[0]
 
 
 def test_e2e_capacity_sweep_runs_each_capacity_on_its_own_fleet(

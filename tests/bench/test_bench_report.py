@@ -86,3 +86,17 @@ def test_counter_totals_sums_a_labelled_counter_by_the_chosen_labels() -> None:
     }
     by_outcome = counter_totals(text, "kv_scorer_events_applied_total", ("outcome",))
     assert by_outcome == {"ok": 2240, "unknown_parent": 2}
+
+
+def test_counter_totals_reads_an_unlabelled_counter() -> None:
+    text = "\n".join(
+        [
+            "# TYPE kv_scorer_event_gaps_total counter",
+            "kv_scorer_event_gaps_total 3.0",
+            "kv_scorer_event_gaps_created 1.7e9",
+            'kv_scorer_event_gaps_total_other{x="y"} 9.0',
+        ]
+    )
+    assert counter_totals(text, "kv_scorer_event_gaps_total", ()) == {"": 3}
+    # A labelled read never takes the unlabelled line.
+    assert counter_totals(text, "kv_scorer_event_gaps_total", ("x",)) == {}

@@ -107,6 +107,9 @@ class Publisher:
             self.router.bind(f"tcp://127.0.0.1:{rport}")
         self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
         self.replay_requests: list[int] = []
+        # Replies sent per replay request before the rest (end marker included) is dropped,
+        # as vLLM's ROUTER drops past its send HWM; None: every reply.
+        self.reply_limit: int | None = None
         self._task = asyncio.create_task(self._serve_replay())
 
     async def wait_subscribed(self, timeout: float = 5.0) -> None:
@@ -138,14 +141,20 @@ class Publisher:
             ident, _empty, start_b = await self.router.recv_multipart()
             start = int.from_bytes(start_b, "big")
             self.replay_requests.append(start)
+            sent = 0
             for s, payload in self.buffer:
                 if s < start:
                     continue
+                if self.reply_limit is not None and sent >= self.reply_limit:
+                    break
+                sent += 1
                 if self.reply_layout == 4:
                     frames = [ident, b"", self.topic.encode(), s.to_bytes(8, "big"), payload]
                 else:
                     frames = [ident, b"", s.to_bytes(8, "big"), payload]
                 await self.router.send_multipart(frames)
+            if self.reply_limit is not None and sent >= self.reply_limit:
+                continue  # the end marker is past the HWM too
             end = [ident, b"", b"", END, b""] if self.reply_layout == 4 else [ident, b"", END, b""]
             await self.router.send_multipart(end)
 

@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import zmq
 import zmq.asyncio
-from kvev_publisher import Publisher, stored, until
+from kvev_publisher import Publisher, cleared, removed, stored, until
 
 from scorer.blocks import BlockHasher
 from scorer.config import Config
 from scorer.events import EventIngest
+from scorer.events.subscriber import BURST, Subscriber
 from scorer.index import BlockIndex
 from scorer.pool import Pool
+from scorer.tasks import cancel_and_wait
 
 BS = 16
 HASHER = BlockHasher(BS)
@@ -128,4 +131,145 @@ async def test_restarted_engine_that_published_past_our_seq_is_detected(
         assert ing.index.lookup_engine(EP, 0, 100) is None  # the old engine's blocks are gone
     finally:
         await ing.stop()
+        await pub.close()
+
+
+async def test_scorer_started_after_a_reset_skips_the_history_before_it(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """vLLM never empties its replay buffer (vllm/distributed/kv_events.py): after
+    /reset_prefix_cache it still holds the earlier run's stores and evictions, then the
+    AllBlocksCleared. A fresh scorer applies only what follows the clear, so the clear does
+    not wipe the speculative entries it wrote meanwhile (an e2e bench's policy run lost
+    832 of them that way)."""
+    pub = Publisher(ctx)
+    await chain(pub, 3, send=False)  # the earlier run
+    await pub.publish([removed([100])], send=False)
+    await pub.publish([stored([103], 102, blk(3)), cleared()], send=False)  # the reset
+    await pub.publish([stored([200], None, blk(0))], send=False)  # this run's first store
+    ing = ingest(pub)
+    # Routed before the sync: blocks 0-5 on their way to the worker.
+    ing.index.insert_speculative(EP, KEYS[:6], ttl_s=60.0)
+    await ing.start()
+    try:
+        sub = ing.subscribers[EP]
+        await until(lambda: sub.stats.syncs != {})
+        assert sub.stats.syncs == {"ok": 1}
+        assert sub.stats.sync_skipped == 5 and sub.stats.warm_messages == 1
+        assert ing.applier.stats[EP].cleared == 0 and ing.applier.stats[EP].removed == 0
+        assert sub.stats.purges == {}
+        assert matched(ing) == 6  # block 0 stored, 1-5 still speculative
+        assert ing.index.stats(EP)["speculative"] == 5
+        # The live stream continues after the buffer's last seq: no gap, no restart.
+        await pub.wait_subscribed()
+        await pub.publish([stored([201], 200, blk(1))])
+        await until(lambda: ing.index.stats(EP)["speculative"] == 4)
+        assert sub.stats.gaps == 0 and sub.stats.last_seq == {0: 6}
+    finally:
+        await ing.stop()
+        await pub.close()
+
+
+async def test_buffer_ending_in_a_clear_leaves_the_stream_at_its_last_seq(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = Publisher(ctx)
+    await chain(pub, 2, send=False)
+    await pub.publish([cleared()], send=False)
+    ing = ingest(pub)
+    await ing.start()
+    try:
+        sub = ing.subscribers[EP]
+        await until(lambda: sub.stats.syncs != {})
+        assert sub.stats.sync_skipped == 3 and sub.stats.warm_messages == 0
+        assert matched(ing) == 0 and sub.stats.last_seq == {0: 2}
+        await pub.wait_subscribed()
+        await pub.publish([stored([300], None, blk(0))])
+        await until(lambda: matched(ing) == 1)
+        assert sub.stats.gaps == 0 and sub.stats.replays == {}
+    finally:
+        await ing.stop()
+        await pub.close()
+
+
+async def test_replay_cut_by_the_routers_hwm_is_requested_again_from_the_hole(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """Past its send HWM vLLM's ROUTER drops the rest of a reply, end marker included: the
+    sync asks again from the first seq it lacks until the reply is whole."""
+    pub = Publisher(ctx)
+    pub.reply_limit = 3
+    await chain(pub, 8, send=False)
+    ing = ingest(pub)
+    ing.config.events.replay_timeout_s = 0.2  # each cut round ends in this much silence
+    await ing.start()
+    try:
+        sub = ing.subscribers[EP]
+        await until(lambda: sub.stats.syncs != {})
+        assert sub.stats.syncs == {"ok": 1} and sub.stats.warm_messages == 8
+        assert pub.replay_requests == [0, 3, 6]
+        assert matched(ing) == 8 and sub.stats.last_seq == {0: 7}
+    finally:
+        await ing.stop()
+        await pub.close()
+
+
+async def test_sync_applies_a_long_buffer_in_bursts(ctx: zmq.asyncio.Context) -> None:
+    """A warm start's buffer (vLLM keeps 10,000 batches) is applied a burst at a time, with
+    the loop's other work in between: held for seconds, it let speculative entries expire
+    before the BlockStored confirming them was read."""
+    pub = Publisher(ctx)
+    n = 300
+    for i in range(n):
+        await pub.publish([stored([5000 + i], None, blk(i % 8))], send=False)
+    ticks = 0
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0)
+            ticks += 1
+
+    ing = ingest(pub)
+    cfg = ing.config
+    ev = cfg.pool.workers[0].events
+    assert ev is not None
+    sub = Subscriber(EP, ev, ing.applier, cfg.events, ctx, on_message=lambda m: seen.append(ticks))
+    t = asyncio.create_task(ticker())
+    await sub.start()
+    try:
+        await until(lambda: sub.stats.syncs != {})
+        assert sub.stats.warm_messages == n and len(seen) == n
+        longest = max(seen.count(v) for v in set(seen))
+        assert longest <= BURST
+    finally:
+        await cancel_and_wait(t)
+        await sub.stop()
+        await pub.close()
+
+
+async def test_ingest_stop_keeps_the_callers_cancel(ctx: zmq.asyncio.Context) -> None:
+    """stop() waits for the closes of workers that left; a cancel of the caller meanwhile
+    ends stop() (with `suppress(CancelledError): await task` it was swallowed, stop()
+    returned as if done, and the close it waited for was cancelled half-way)."""
+    pub = Publisher(ctx)
+    ing = ingest(pub)
+    await ing.start()
+    release = asyncio.Event()
+    closing = asyncio.create_task(release.wait())  # a worker's close still under way
+    ing._closing.add(closing)
+    stopper = asyncio.create_task(ing.stop())
+    try:
+        await until(lambda: not ing.subscribers)  # stop() waits for the close now
+        await asyncio.sleep(0)
+        stopper.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(10):
+                await stopper
+        assert not closing.done()  # the close goes on
+        assert ing._context is None  # the context went all the same
+    finally:
+        release.set()
+        await closing
         await pub.close()

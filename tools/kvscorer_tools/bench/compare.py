@@ -13,7 +13,10 @@ went to the parent's worker, and how many of the shared tokens were found cached
 It also replays the e2e run's own routing (each request sent to the worker the e2e run
 chose) to check the replay's engine and cache model against the e2e sims per request,
 and asks the policy, as a dry run at each request, where it would have sent it with that
-fleet state and a timely index. Deterministic; prints a table, `--json` writes it.
+fleet state and a timely index. With the run's results.json beside it, it also shows
+each run's KV-event path in the scorer (`event_path`: speculative blocks never confirmed,
+an earlier run's events re-applied, gaps, replays, purges). Deterministic; prints a table,
+`--json` writes it.
 """
 
 from __future__ import annotations
@@ -211,6 +214,39 @@ def _line(name: str, c: dict[str, Any]) -> str:
     )
 
 
+def event_path(run: dict[str, Any]) -> dict[str, int]:
+    """What happened to one e2e run's KV events in the scorer (its results.json entry):
+    speculative blocks never confirmed by a BlockStored (expired, or dropped by a purge),
+    events of an earlier run re-applied (AllBlocksCleared during the run, and whatever a
+    replay sync applied or skipped before the load), gaps, replays and purges."""
+    spec = run.get("speculative", {})
+    ev = run.get("events", {})
+    start = run.get("at_start", {})
+    sync = start.get("sync_messages", {})
+    return {
+        "speculative": spec.get("inserted", 0),
+        "unconfirmed": spec.get("inserted", 0) - spec.get("confirmed", 0),
+        "expired": spec.get("expired", 0),
+        "cleared_in_run": ev.get("AllBlocksCleared/ok", 0),
+        "removed_in_run": ev.get("BlockRemoved/ok", 0) + ev.get("BlockRemoved/unknown_hash", 0),
+        "sync_applied": sync.get("applied", 0),
+        "sync_skipped": sync.get("skipped", 0),
+        "gaps": sum(run.get("gaps", {}).values()),
+        "replays": sum(run.get("replays", {}).values()),
+        "purges": sum(run.get("purges", {}).values()),
+    }
+
+
+def _event_line(name: str, e: dict[str, int]) -> str:
+    return (
+        f"{name:30s} speculative {e['speculative']} unconfirmed {e['unconfirmed']}"
+        f" (expired {e['expired']}); in the run: AllBlocksCleared {e['cleared_in_run']}"
+        f" BlockRemoved {e['removed_in_run']}; sync before the load: applied"
+        f" {e['sync_applied']} skipped {e['sync_skipped']}; gaps {e['gaps']} replays"
+        f" {e['replays']} purges {e['purges']}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: see the module docstring."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -226,7 +262,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--capacity-blocks", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write the numbers here")
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="the e2e run's results.json, for its KV-event path per run (default: "
+        "ROWS/../../../results.json when it exists)",
+    )
     args = ap.parse_args(argv)
+    results = args.results or args.rows / ".." / ".." / ".." / "results.json"
+    doc: dict[str, Any] = json.loads(results.read_text()) if results.exists() else {}
     wl = load_workload(args.workload).slice(args.max_requests, 1.0)
     keys = RequestKeys(wl, 512)
     settings = ReplaySettings(capacity_blocks=args.capacity_blocks, seed=args.seed)
@@ -255,6 +300,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 f" tokens {out['follow_same_cached']}/{len(joined)}; {pol} would pick the e2e"
                 f" worker {out['follow_agrees']}/{len(joined)}"
             )
+        runs = doc.get("policies", {}).get(pol, {}).get("runs", [])
+        if runs:
+            out["event_path"] = [event_path(r) for r in runs]
+            for i, e in enumerate(out["event_path"]):
+                print(_event_line(f"{pol} e2e events [{i + 1}/{len(runs)}]", e))
         report[pol] = out
     for peer in [p for p in args.peers.split(",") if p]:
         path = args.rows / f"{peer}.jsonl"

@@ -23,7 +23,6 @@ scheduled.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -46,6 +45,7 @@ from kvscorer_tools.sim.kvevents import (
 from kvscorer_tools.sim.metrics import SimMetrics
 from kvscorer_tools.sim.scheduler import Admission, schedule_step
 from kvscorer_tools.sim.timing import TimingModel
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +155,8 @@ class Engine:
     async def stop(self) -> None:
         """Stop the loop; unfinished requests end with finish_reason "abort"."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # cancel_and_wait: the caller's own cancellation is not swallowed (scorer.tasks).
+            await cancel_and_wait(self._task)
             self._task = None
         for req in [*self.waiting, *self.running]:
             self._finish(req, "abort", release=False)

@@ -22,7 +22,6 @@ Wire format (vllm/distributed/kv_events.py, checked byte for byte against
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -32,6 +31,8 @@ from typing import Any, Literal
 import msgspec
 import zmq
 import zmq.asyncio
+
+from scorer.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -267,9 +268,8 @@ class KVEventPublisher:
     async def stop(self) -> None:
         """Stop the replay server and close every socket and context."""
         if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+            # cancel_and_wait: the caller's own cancellation is not swallowed (scorer.tasks).
+            await cancel_and_wait(self._replay_task)
             self._replay_task = None
         for sock in (self._pub, self._router):
             if sock is not None:

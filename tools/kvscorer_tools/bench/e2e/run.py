@@ -39,6 +39,9 @@ def run_ours(
         before = fleet.counters()
         counted = {"reasons": ("kv_scorer_decisions_total", ("reason",)), **DIAGNOSTICS}
         start = {key: run.counter(*spec) for key, spec in counted.items()}
+        # What the scorer did before the load (its replay syncs): an earlier run's events
+        # applied here would show as events / sync_messages at start.
+        out_start = {k: start[k] for k in ("events", "syncs", "sync_messages") if start.get(k)}
         marks = log_marks(fleet.request_logs)
         router = [p.pid for p in (run.scorer,) if p is not None]
         if run.envoy is not None and run.envoy.proc is not None:
@@ -50,6 +53,8 @@ def run_ours(
         out = summarize(res, before, after, settings.speed, len(wl))
         add_breakdown(out, res, fleet, marks, settings.speed, policy)
         out["cpu_s"] = cpu_s
+        if out_start:
+            out["at_start"] = out_start
         for key, spec in counted.items():
             now = run.counter(*spec)
             delta = {k: v - start[key].get(k, 0) for k, v in now.items()}

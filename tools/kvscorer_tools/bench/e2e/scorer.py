@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -139,6 +140,10 @@ class ScorerRun:
             lambda: scorer_ports(log), timeout_s, f"scorer-{self.policy}", self.scorer
         )
         self.admin_url = f"http://127.0.0.1:{admin}"
+        # Every policy starts alike: its scorer has read each worker's replay buffer
+        # (skipping the history before the fleet's reset) before any request is sent, so
+        # no sync of an earlier run's events overlaps the run.
+        wait_until(self.streams_synced, timeout_s, f"scorer-{self.policy} event syncs", self.scorer)
         self.envoy = EnvoyProcess(envoy_config(self.settings, self.fleet, extproc))
         self.envoy.start()
         if self.envoy.proc is not None:
@@ -166,6 +171,17 @@ class ScorerRun:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def streams_synced(self) -> bool:
+        """Every worker's KV-event stream is connected and its replay sync is over (its
+        outcome counted in /debug/index); a worker without a stream (events off) has
+        nothing to wait for."""
+        status, text = http_get(self.admin_url + "/debug/index", 5.0)
+        if status != 200:
+            return False
+        workers = json.loads(text).get("workers", {})
+        streams = [workers.get(s.endpoint, {}).get("stream") for s in self.fleet.specs]
+        return all(st is None or (st.get("connected") and st.get("syncs")) for st in streams)
+
     def decision_reasons(self) -> dict[str, int]:
         """Decisions by reason, from the scorer's kv_scorer_decisions_total counter."""
         return self.counter("kv_scorer_decisions_total", ("reason",))
@@ -180,7 +196,8 @@ def counter_totals(text: str, name: str, labels: Sequence[str]) -> dict[str, int
     """Sum a labelled Prometheus counter by the values of `labels`, keyed "a/b"."""
     out: dict[str, int] = {}
     for line in text.splitlines():
-        if not line.startswith(name + "{"):
+        # Unlabelled: "name 3.0" (key ""); labelled: "name{a="x"} 3.0".
+        if not line.startswith(name + "{") and not (not labels and line.startswith(name + " ")):
             continue
         found = dict(_LABEL.findall(line))
         try:
@@ -198,6 +215,12 @@ def counter_totals(text: str, name: str, labels: Sequence[str]) -> dict[str, int
 DIAGNOSTICS = {
     "events": ("kv_scorer_events_applied_total", ("type", "outcome")),
     "speculative": ("kv_scorer_index_speculative_total", ("outcome",)),
+    "syncs": ("kv_scorer_event_syncs_total", ("outcome",)),
+    "sync_messages": ("kv_scorer_event_sync_messages_total", ("outcome",)),
+    "gaps": ("kv_scorer_event_gaps_total", ()),
+    "replays": ("kv_scorer_event_replays_total", ("outcome",)),
+    "purges": ("kv_scorer_event_purges_total", ("cause",)),
+    "drops": ("kv_scorer_event_drops_total", ("reason",)),
 }
 
 
