@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -97,6 +97,34 @@ BURST = 32
 _REPLAY_RCVHWM = 20_000
 # Replay requests one sync may make to get a whole buffer (see Subscriber._fetch_replay).
 _REPLAY_ROUNDS = 20
+
+
+async def receive(
+    sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], Awaitable[None]]
+) -> None:
+    """Hand every message of `sock` to `handle`, in order, for ever; the loop is yielded
+    after each BURST messages or 2 ms (a flood must not starve the request path).
+
+    What is already queued is read with plain non-blocking calls on the same socket (a
+    shadow of it): each awaited recv costs a Future, a timeout check and an EVENTS read in
+    pyzmq's asyncio layer, ~5 % of the scorer's CPU under the e2e benchmark's event load."""
+    queued = zmq.Socket.shadow(sock.underlying).recv_multipart
+    n = 0
+    slice_start = time.monotonic()
+    while True:
+        frames = await sock.recv_multipart()
+        while True:
+            await handle(frames)
+            n += 1
+            if n >= BURST or time.monotonic() - slice_start > 0.002:
+                await asyncio.sleep(0)
+                n = 0
+                slice_start = time.monotonic()
+                break
+            try:
+                frames = queued(zmq.NOBLOCK)
+            except zmq.Again:
+                break
 
 
 @dataclass(slots=True)
@@ -330,17 +358,7 @@ class Subscriber:
     # ---- receiving ---------------------------------------------------------------------
 
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
-        n = 0
-        slice_start = time.monotonic()
-        while True:
-            frames = await sub.recv_multipart()
-            await self.handle(frames)
-            n += 1
-            if n >= BURST or time.monotonic() - slice_start > 0.002:
-                # A flood of events must not starve the request path on the same loop.
-                await asyncio.sleep(0)
-                n = 0
-                slice_start = time.monotonic()
+        await receive(sub, self.handle)
 
     def _error(self, e: DecodeError) -> None:
         _ERR.get(e.kind, DECODE_ERRORS.labels(e.kind)).inc()
@@ -644,57 +662,29 @@ class Subscriber:
             self.stats.last_seq.pop(rank, None)
 
     async def _replay(self, rank: int, start: int, until: int) -> str:
+        """Apply [start, until) from the replay buffer: fetched as a sync fetches (again
+        from the first missing seq when the ROUTER cut its reply, instead of a purge),
+        decoded off the loop, applied in bursts."""
         if not self.events.replay_endpoint:
             return "unavailable"
-        dealer = self.context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
-        # Past its send HWM (1,000 by default) vLLM's ROUTER drops replies silently; a
-        # buffer of 10,000 batches read by a busy scorer lost some that way. A receive HWM
-        # above vLLM's buffer lets ZMQ's I/O thread take the whole reply at once
-        # (bounded: the buffer's size x events.max_message_bytes).
-        dealer.setsockopt(zmq.RCVHWM, _REPLAY_RCVHWM)
-        timeout = self.config.replay_timeout_s
-        expect = start
-        try:
-            dealer.connect(self.events.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            while True:
-                try:
-                    async with asyncio.timeout(timeout):
-                        frames = await dealer.recv_multipart()
-                except TimeoutError:
-                    return "timeout"
-                try:
-                    topic, seq_b, payload = split_replay_reply(frames)
-                    if seq_b == END_SEQ:
-                        return "ok" if expect >= until else "too_old"
-                    seq = decode_seq(seq_b)
-                except DecodeError as e:
-                    self._error(e)
-                    return "error"
-                if seq < expect:
-                    continue  # already applied
-                if seq > expect:
-                    return "too_old"  # the buffer no longer reaches back to `start`
-                if seq >= until:
-                    return "ok"  # the live stream carries the rest
-                try:
-                    batch = decode_payload(payload)
-                except DecodeError as e:
-                    self._error(e)
-                    return "error"
-                for err in batch.errors:
-                    self._error(err)
-                self._apply(Message(topic or "", seq, batch), rank)
-                expect = seq + 1
-                if (expect - start) % BURST == 0:
-                    await asyncio.sleep(0)  # a long gap is applied in bursts, as live
-        except zmq.ZMQError as e:
-            self._log_once("replay", f"replay from {self.events.replay_endpoint} failed: {e}")
-            return "error"
-        finally:
-            dealer.close(linger=0)
+        outcome, raw = await self._fetch_replay(start)
+        if outcome != "ok":
+            return outcome
+        # Contiguous from the buffer's first seq >= start: it must reach back to `start`
+        # and on to the live message that showed the gap.
+        if not raw or raw[0][1] != start or raw[-1][1] < until - 1:
+            return "too_old"
+        need = [r for r in raw if r[1] < until]
+        for i, m in enumerate(await asyncio.to_thread(_decode_replies, need)):
+            if isinstance(m, DecodeError):
+                self._error(m)
+                return "error"
+            for err in m.batch.errors:
+                self._error(err)
+            self._apply(m, rank)
+            if (i + 1) % BURST == 0:
+                await asyncio.sleep(0)  # a long gap is applied in bursts, as live
+        return "ok"
 
 
 def _decode_replies(raw: list[tuple[str | None, int, bytes]]) -> list[Message | DecodeError]:

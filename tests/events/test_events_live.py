@@ -111,6 +111,28 @@ async def test_gap_is_replayed_both_layouts(ctx: zmq.asyncio.Context, layout: in
         await pub.close()
 
 
+async def test_gap_replay_cut_by_the_routers_hwm_is_completed(ctx: zmq.asyncio.Context) -> None:
+    """A gap longer than what vLLM's ROUTER sends before its HWM: the replay asks again
+    from the first missing seq (it purged the worker: "timeout", no end marker came)."""
+    pub, ing = await started(ctx)
+    try:
+        ing.config.events.replay_timeout_s = 0.2  # each cut round ends in this much silence
+        await pub.publish([stored([1], None, blk(0))])
+        await until(lambda: matched(ing) == 1)
+        for i in range(1, 6):  # lost on the wire
+            await pub.publish([stored([1 + i], i, blk(i))], send=False)
+        pub.reply_limit = 2
+        await pub.publish([stored([7], 6, blk(6))])
+        await until(lambda: matched(ing) == 7)
+        sub = ing.subscribers[EP]
+        assert sub.stats.replays == {"ok": 1} and sub.stats.purges == {}
+        assert pub.replay_requests == [0, 1, 3, 5, 7]
+        assert sub.stats.last_seq == {0: 6} and not ing.status(EP).unrecovered_gap
+    finally:
+        await ing.stop()
+        await pub.close()
+
+
 async def test_gap_without_replay_purges(ctx: zmq.asyncio.Context) -> None:
     pub, ing = await started(ctx, replay=False)
     try:
