@@ -22,7 +22,14 @@ Chat requests of about 1k, 8k and 32k tokens (Qwen3 tokenizer + chat template, b
 Targets (issue 4): warm 8k ≤ 1 ms p50; cold ≤ 1.2x raw. Prints a table and writes
 bench/out/tokens.json.
 
+`--ids`: a completions body whose `prompt` is 1k / 16k / 100k token ids (Mooncake-style
+ids up to 150k), body bytes → parsed document (`parse_body`) → packed ids and block keys
+(`tokenize_body`), with the prompt packed at parse (scorer/body.py, compiled
+`json_ids_u32`) and the reference way (`parse_body(native=False)`: one Python int per id,
+packed by the tokens stage), alternated. Writes bench/out/tokens_ids.json.
+
     .venv/bin/python bench/bench_tokens.py [--reps N] [--sizes 1000,8000,32000]
+    .venv/bin/python bench/bench_tokens.py --ids [--reps 200] [--sizes 1000,16000,100000]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any
 
 from scorer.blocks import BlockHasher
 from scorer.config import Config, TokenizerModelConfig, TokensConfig
+from scorer.director import parse_body
 from scorer.tokens import Tokenization
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,12 +149,64 @@ def _p(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def ids_main(reps: int, sizes: list[int], out: str) -> None:
+    """`--ids`: token-id prompt bodies, packed at parse vs the reference decode."""
+    tokens = Tokenization(Config(), BlockHasher(16, "xxh3"))
+    tokens.max_prompt_tokens = max(sizes)
+    rng = random.Random(1)
+    results: list[dict[str, Any]] = []
+    try:
+        for n in sizes:
+            ids = [rng.randrange(150_000) for _ in range(n)]
+            body = json.dumps({"model": "m", "prompt": ids, "max_tokens": 1}).encode()
+            row: dict[str, Any] = {"ids": n, "body_bytes": len(body)}
+            samples: dict[str, dict[str, list[float]]] = {
+                way: {"parse": [], "total": []} for way in ("reference", "packed")
+            }
+            k = max(5, reps if n <= 16000 else reps // 5)
+            for _ in range(k):  # alternated, so both ways see the same machine
+                for way, native in (("reference", False), ("packed", True)):
+                    t0 = time.perf_counter()
+                    doc = parse_body(body, native)
+                    t1 = time.perf_counter()
+                    tp = tokens.tokenize_body(None, doc)
+                    t2 = time.perf_counter()
+                    samples[way]["parse"].append(t1 - t0)
+                    samples[way]["total"].append(t2 - t0)
+                    assert tp.token_ids[:3] == ids[:3] and len(tp.packed) == 4 * n
+            for way, d in samples.items():
+                row[f"{way}_parse_us_p50"] = _p(d["parse"], 0.5) * 1e6
+                row[f"{way}_total_us_p50"] = _p(d["total"], 0.5) * 1e6
+            row["reps"] = k
+            results.append(row)
+    finally:
+        tokens.close()
+    print("token-id prompt body -> parsed -> packed ids + block keys, us p50 (block 16, xxh3)")
+    print("    ids |  body KB | parse ref | parse packed | total ref | total packed")
+    for r in results:
+        print(
+            f"{r['ids']:>7} | {r['body_bytes'] / 1024:>8.0f} | {r['reference_parse_us_p50']:>9.0f} "
+            f"| {r['packed_parse_us_p50']:>12.0f} | {r['reference_total_us_p50']:>9.0f} "
+            f"| {r['packed_total_us_p50']:>12.0f}"
+        )
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"bench": "tokens_ids", "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sizes", default="1000,8000,32000")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--sizes", default=None)
+    ap.add_argument("--ids", action="store_true", help="token-id prompt bodies (see above)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.ids:
+        sizes = [int(s) for s in (args.sizes or "1000,16000,100000").split(",")]
+        ids_main(args.reps, sizes, args.out or str(OUT.with_name("tokens_ids.json")))
+        return
+    args.sizes = args.sizes or "1000,8000,32000"
+    args.out = args.out or str(OUT)
 
     cfg = Config(tokens=TokensConfig(models={"qwen3": TokenizerModelConfig(tokenizer=str(QWEN3))}))
     tokens = Tokenization(cfg, BlockHasher(16, "xxh3"))

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 from prometheus_client import Counter
 
+from scorer import body as body_json
 from scorer.config import Config
 from scorer.decisions import DecisionLog
 from scorer.errors import error_body
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
     from scorer.pool.workers import Worker
 
 log = logging.getLogger("scorer.director")
-_json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 
 
@@ -63,10 +63,14 @@ class BadRequest(Exception):
         self.param = param
 
 
-def parse_body(body: bytes) -> dict[str, Any]:
-    """Decode an OpenAI request body once; raise BadRequest (400) when it cannot be routed."""
+def parse_body(body: bytes, native: bool = True) -> dict[str, Any]:
+    """Decode an OpenAI request body once; raise BadRequest (400) when it cannot be routed.
+
+    A large body's token-id `prompt` stays packed (`scorer.body.PackedIds`); `native=False`
+    is the reference decode (tests/test_parse_body.py compares both).
+    """
     try:
-        doc = _json_decoder.decode(body)
+        doc = body_json.decode(body, native)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     except RecursionError:  # JSON nested ~1,000 deep: the client's error, not ours

@@ -1386,3 +1386,85 @@ def ids_u32_bytes(list ids):
     if over:
         raise OverflowError("token id out of the uint32 range")
     return out
+
+
+cdef inline bint _json_ws(uint8_t b) noexcept nogil:
+    return b == 0x20 or b == 0x0A or b == 0x0D or b == 0x09  # JSON's four (RFC 8259 §2)
+
+
+def json_ids_u32(buf, Py_ssize_t pos):
+    """The value after a JSON object key ending at buf[pos] (`: [ids]`), when it is a plain
+    array of non-negative integers below 2**32: (its ids as little-endian uint32 bytes, the
+    array's start, its end), without one Python int per id; else None (empty, negative, out
+    of range, a fraction or exponent, a nested list, any other value, malformed JSON), and
+    the caller decodes the body with msgspec, the reference (scorer/body.py)."""
+    cdef Py_buffer view
+    cdef const uint8_t* base
+    cdef const uint8_t* p
+    cdef const uint8_t* end
+    cdef const uint8_t* start = NULL
+    cdef uint32_t* out = NULL
+    cdef Py_ssize_t n = 0, cap
+    cdef uint64_t v
+    cdef bint ok = False
+    PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
+    try:
+        if pos < 0 or pos > view.len:
+            return None
+        base = <const uint8_t*>view.buf
+        p = base + pos
+        end = base + view.len
+        # Every id takes a digit and a separator: this bounds the count.
+        cap = (view.len - pos + 1) // 2
+        out = <uint32_t*>PyMem_Malloc((cap + 1) * 4)
+        if out == NULL:
+            raise MemoryError()
+        with nogil:
+            while p < end and _json_ws(p[0]):
+                p += 1
+            if p < end and p[0] == 0x3A:  # ':'
+                p += 1
+                while p < end and _json_ws(p[0]):
+                    p += 1
+                if p < end and p[0] == 0x5B:  # '['
+                    start = p
+                    p += 1
+                    while True:
+                        while p < end and _json_ws(p[0]):
+                            p += 1
+                        if p >= end or p[0] < 0x30 or p[0] > 0x39:
+                            break  # not a digit: '-', ']', a nested list, a string, ...
+                        v = p[0] - 0x30
+                        p += 1
+                        if v == 0:
+                            if p < end and 0x30 <= p[0] <= 0x39:
+                                break  # a leading zero: malformed JSON, msgspec's error
+                        else:
+                            while p < end and 0x30 <= p[0] <= 0x39 and v <= U32MAX:
+                                v = v * 10 + (p[0] - 0x30)
+                                p += 1
+                            if v > U32MAX:
+                                break  # out of range: the reference refuses it
+                        if p < end and (p[0] == 0x2E or p[0] == 0x65 or p[0] == 0x45):
+                            break  # '.', 'e', 'E': a float to JSON and to msgspec
+                        out[n] = kv_le32(<uint32_t>v)
+                        n += 1
+                        while p < end and _json_ws(p[0]):
+                            p += 1
+                        if p < end and p[0] == 0x2C:  # ','
+                            p += 1
+                            continue
+                        if p < end and p[0] == 0x5D:  # ']'
+                            p += 1
+                            ok = True
+                        break
+        if not ok:
+            return None
+        return (
+            PyBytes_FromStringAndSize(<char*>out, 4 * n),
+            <Py_ssize_t>(start - base),
+            <Py_ssize_t>(p - base),
+        )
+    finally:
+        PyMem_Free(out)
+        PyBuffer_Release(&view)

@@ -36,6 +36,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from scorer.blocks import BlockHasher, namespace_key
+from scorer.body import PackedIds
 from scorer.config import Config, ConfigError
 from scorer.errors import json_error
 from scorer.histogram import LoopHistogram
@@ -105,6 +106,8 @@ INLINE_MAX_IDS = 32768
 def _id_count(body: Mapping[str, Any]) -> int:
     """Ids in a token-id prompt (its first prompt for a batch)."""
     prompt = body.get("prompt")
+    if isinstance(prompt, PackedIds):  # packed at parse (scorer.body)
+        return len(prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]
     return len(prompt) if isinstance(prompt, list) else 0
@@ -116,6 +119,8 @@ def is_token_id_prompt(body: Mapping[str, Any]) -> bool:
     Such a prompt needs no tokenizer: the ids are what the engine sees.
     """
     prompt = body.get("prompt")
+    if isinstance(prompt, PackedIds):  # packed at parse: never empty (scorer.body)
+        return "messages" not in body
     if not isinstance(prompt, list) or not prompt or "messages" in body:
         return False
     first = prompt[0]
@@ -499,6 +504,11 @@ class Tokenization:
         ns: int,
         stats: dict[str, int],
     ) -> tuple[str, bytes, tuple[int, ...], _Cut | None]:
+        if isinstance(prompt, PackedIds):
+            # Checked and packed at parse (scorer.body): only the count is left to check.
+            if len(prompt) > self.max_prompt_tokens:
+                raise PromptTooLarge(self._tokens_message(len(prompt)))
+            return "token_ids", prompt.packed, (), None
         if isinstance(prompt, list):
             if not prompt:
                 raise TokenizeError("prompt must not be an empty list")
