@@ -273,3 +273,22 @@ async def test_ingest_stop_keeps_the_callers_cancel(ctx: zmq.asyncio.Context) ->
         release.set()
         await closing
         await pub.close()
+
+
+async def test_a_leaving_worker_takes_its_block_size_mismatch_series_along() -> None:
+    """Per-endpoint series must not grow with churn: the pool's "removed" drops it."""
+    from prometheus_client import REGISTRY
+
+    from scorer.events.decode import BlockStored, EventBatch
+
+    ev: dict[str, Any] = {"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": None}
+    cfg = Config.model_validate(
+        {"pool": {"workers": [{"endpoint": EP, "events": ev}], "block_size": BS}}
+    )
+    pool = Pool.from_config(cfg)
+    ing = EventIngest(cfg, pool, BlockIndex(cfg.index), HASHER)
+    name = "kv_scorer_block_size_mismatch_total"
+    ing.applier.apply(EP, EventBatch(0.0, [BlockStored([1], None, list(range(2 * BS)), 2 * BS)]))
+    assert REGISTRY.get_sample_value(name, {"endpoint": EP}) == 1.0
+    pool.remove(EP, "deleted")
+    assert REGISTRY.get_sample_value(name, {"endpoint": EP}) is None
