@@ -39,7 +39,7 @@ from prometheus_client import Counter, Gauge
 
 from scorer.config import Config, EventsEndpointConfig
 from scorer.events.ingest import EventIngest
-from scorer.events.subscriber import BURST, Subscriber
+from scorer.events.subscriber import Subscriber, receive
 from scorer.pool.workers import Pool, PoolChange, Worker, normalize_endpoint
 from scorer.tasks import cancel_and_wait
 
@@ -231,22 +231,16 @@ class PoolEventSocket:
     # ---- receiving ---------------------------------------------------------------------
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        n = 0
-        slice_start = time.monotonic()
         try:
-            while True:
-                frames = await sock.recv_multipart()
-                try:
-                    await self.handle(frames)
-                except Exception:  # the event path never dies on one message
-                    log.exception("KV event from the pool socket failed to apply")
-                n += 1
-                if n >= BURST or time.monotonic() - slice_start > 0.002:
-                    await asyncio.sleep(0)  # a flood must not starve the request path
-                    n = 0
-                    slice_start = time.monotonic()
+            await receive(sock, self._handle_safely)
         finally:
             sock.close(linger=0)
+
+    async def _handle_safely(self, frames: list[bytes]) -> None:
+        try:
+            await self.handle(frames)
+        except Exception:  # the event path never dies on one message
+            log.exception("KV event from the pool socket failed to apply")
 
     def _count(self, outcome: str, n: int = 1) -> None:
         _OUT[outcome].inc(n)

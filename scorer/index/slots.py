@@ -80,11 +80,12 @@ class Slot:
 class SlotTable:
     """(endpoint, rank) → Slot, bit → Slot, endpoint → mask of its slots' bits.
 
-    A purged slot stays allocated (empty). A released slot (its worker left the pool) is
-    detached at once and frees its bit once the index has cleared it from every entry; the
-    next new slot takes it (the lowest free bit first), so masks stay as wide as the live
-    workers however many came and went, and a reused bit never names another worker's
-    block."""
+    A cleared (purged) slot is emptied in place or, when it holds more entries than the
+    index clears in one loop turn, replaced by a fresh one on another bit (`replace`). A
+    released slot (its worker left the pool) and a replaced one are detached at once and
+    free their bit once the index has cleared it from every entry; the next new slot takes
+    it (the lowest free bit first), so masks stay as wide as the live workers however many
+    came and went, and a reused bit never names another worker's block."""
 
     def __init__(self, emap_factory: Callable[[], EngineMapLike] = PyEngineMap) -> None:
         self.emap_factory = emap_factory
@@ -109,17 +110,8 @@ class SlotTable:
         key = (endpoint, rank or 0)
         s = self.slots.get(key)
         if s is None:
-            if self.free_bits:
-                bit = heapq.heappop(self.free_bits)
-                s = Slot(endpoint, rank or 0, bit, self.emap_factory())
-                self.by_bit[bit] = s
-                self.bit_ep[bit] = endpoint
-            else:
-                bit = len(self.by_bit)
-                s = Slot(endpoint, rank or 0, bit, self.emap_factory())
-                self.by_bit.append(s)
-                self.bit_ep.append(endpoint)
-                self.bit_obj.append(1 << bit)
+            s = self._new(endpoint, rank or 0)
+            bit = s.bit
             self.slots[key] = s
             if endpoint in self.ep_mask:
                 self.ranked = True
@@ -127,6 +119,34 @@ class SlotTable:
             self.ep_slots[endpoint] = self.ep_slots.get(endpoint, 0) + 1
             self.all_mask |= 1 << bit
             self._last = None
+        return s
+
+    def _new(self, endpoint: str, rank: int) -> Slot:
+        """A new slot on the lowest free bit (or a new one), not yet in `slots`."""
+        if self.free_bits:
+            bit = heapq.heappop(self.free_bits)
+            s = Slot(endpoint, rank, bit, self.emap_factory())
+            self.by_bit[bit] = s
+            self.bit_ep[bit] = endpoint
+        else:
+            bit = len(self.by_bit)
+            s = Slot(endpoint, rank, bit, self.emap_factory())
+            self.by_bit.append(s)
+            self.bit_ep.append(endpoint)
+            self.bit_obj.append(1 << bit)
+        return s
+
+    def replace(self, old: Slot) -> Slot:
+        """Put a fresh slot (another bit, no entries, `old`'s counters) in `old`'s place in
+        the table and return it; `old` is detached (no lookup or mask names it from now
+        on), its bit taken until `free`. The endpoint keeps its place in every map."""
+        s = self._new(old.endpoint, old.rank)
+        s.evictions, s.purges, s.removed = old.evictions, old.purges, old.removed
+        self.slots[old.endpoint, old.rank] = s
+        swap = (1 << old.bit) | (1 << s.bit)
+        self.ep_mask[old.endpoint] ^= swap
+        self.all_mask ^= swap
+        self._last = None
         return s
 
     def detach(self, endpoint: str) -> list[Slot]:

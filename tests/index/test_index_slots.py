@@ -327,3 +327,140 @@ def test_allowed_mask_follows_slots_made_and_freed() -> None:
     idx.release("b")
     assert table.allowed(eps) == 0b1101
     assert {e: m.blocks for e, m in idx.match(KEYS[:1], eps).items()} == {"a": 1, "c": 1}
+
+
+# ---- clear / purge of a big slot: a fresh slot now, the old entries in chunks ----------
+
+
+@NATIVE
+async def test_a_big_purge_gives_a_fresh_slot_at_once_and_leaves_in_chunks(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restart, health ejection or unrecoverable gap purges a worker: with more entries
+    # than a loop turn clears, it gets a fresh slot (another bit) at once; events right
+    # after the purge land there, and no answer counts the old entries as the worker's.
+    monkeypatch.setattr(block_index, "RELEASE_CHUNK", 10)
+    idx = BlockIndex(native=native)
+    many = BlockHasher(4).keys(list(range(4 * 100)))
+    idx.add("stays", 0, [1], many[:1])
+    idx.add("w", 0, range(100), many)
+    idx.remove("w", 0, [99])
+    old = idx._table.slots["w", 0]
+    idx.purge("w")
+    assert idx.total_entries() == 1 + 99 - 10  # one chunk went at once
+    assert idx._leaving and idx._leaving[0] is old
+    fresh = idx._table.slots["w", 0]
+    assert fresh is not old and fresh.bit != old.bit
+    assert set(idx.match(many)) == {"stays"} and "w" in idx.endpoints()
+    assert idx.stats("w")["purges"] == 1 and idx.removed_total("w") == 1
+    assert idx.stats("w")["blocks"]["GPU"] == 0 and idx.stats("w")["engine_hashes"] == 0
+    # The restarted engine stores blocks at once, reusing engine keys of its old run.
+    idx.add("w", 0, range(3), many[:3])
+    assert {e: m.blocks for e, m in idx.match(many).items()} == {"stays": 1, "w": 3}
+    assert idx.lookup_engine("w", 0, 50) is None  # the old run's engine key is gone
+    for _ in range(100):  # bounded: 9 more turns are needed
+        if not idx._leaving:
+            break
+        await asyncio.sleep(0)
+    assert not idx._leaving and idx.total_entries() == 1 + 3
+    assert {e: m.blocks for e, m in idx.match(many).items()} == {"stays": 1, "w": 3}
+    _check_bits(idx)
+    idx.remove("w", 0, [0])  # BlockRemoved after the purge: from the fresh slot
+    assert {e: m.blocks for e, m in idx.match(many).items()} == {"stays": 1}
+    idx.add("new", 0, [7], many[:1])
+    assert idx._table.slots["new", 0].bit == old.bit  # freed once cleared
+
+
+@NATIVE
+async def test_all_blocks_cleared_then_stored_in_one_batch(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The event path (Applier, compiled or not): AllBlocksCleared of one dp rank of a big
+    # worker, then BlockStored in the same batch; the other rank and worker are untouched.
+    from scorer.events.apply import Applier
+    from scorer.events.decode import AllBlocksCleared, BlockStored, EventBatch
+
+    monkeypatch.setattr(block_index, "RELEASE_CHUNK", 10)
+    hasher = BlockHasher(4)
+    idx = BlockIndex(native=native)
+    ap = Applier(idx, hasher, native=native)
+    toks = list(range(4 * 60))
+    run = hasher.keys(toks)
+    ap.apply("w", EventBatch(0.0, [BlockStored(list(range(1, 61)), None, toks, 4)], 0))
+    ap.apply("w", EventBatch(0.0, [BlockStored([1, 2], None, toks[:8], 4)], 1))
+    ap.apply("v", EventBatch(0.0, [BlockStored([1], None, toks[:4], 4)], 0))
+    assert idx.match(run)["w"].blocks == 60
+    again = [AllBlocksCleared(), BlockStored([1, 2, 3, 4], None, toks[:16], 4)]
+    ap.apply("w", EventBatch(0.0, again, 0))
+    assert idx._leaving  # rank 0's 60 entries leave over loop turns
+    assert idx.stats("w")["ranks"] == [0, 1]
+    assert {e: m.blocks for e, m in idx.match(run).items()} == {"w": 4, "v": 1}
+    for _ in range(100):
+        if not idx._leaving:
+            break
+        await asyncio.sleep(0)
+    assert not idx._leaving
+    assert {e: m.blocks for e, m in idx.match(run).items()} == {"w": 4, "v": 1}
+    assert idx.stats("w")["blocks"]["GPU"] == 4 + 2 and idx.total_entries() == 4 + 2 + 1
+    _check_bits(idx)
+
+
+_purge = st.tuples(st.just("purge"), st.sampled_from(_EPS))
+
+
+def _apply_all(idx: BlockIndex, ops: list[tuple[Any, ...]]) -> None:
+    for op in ops:
+        if op[0] == "purge":
+            idx.purge(op[1])
+        else:
+            _apply(idx, [op])
+
+
+@NATIVE
+@settings(max_examples=scaled(200))
+@given(st.lists(st.one_of(_op, _purge), max_size=14), st.integers(1, len(KEYS)))
+@example(  # a purge of a slot holding a block another worker holds too, then a re-add
+    ops=[
+        ("add", "a", 0, "GPU", [(0, 0), (1, 1)]),
+        ("add", "b", 0, "GPU", [(0, 0)]),
+        ("purge", "a"),
+        ("add", "a", 0, "GPU", [(0, 0)]),
+    ],
+    plen=2,
+)
+@example(  # one rank of two cleared, a speculative entry of the worker before it
+    ops=[
+        ("spec", "a", 2),
+        ("add", "a", 1, "CPU", [(0, 0)]),
+        ("add", "a", 0, "GPU", [(1, 0), (2, 1)]),
+        ("clear", "a", 0),
+        ("add", "a", 0, "DISK", [(2, 1)]),
+    ],
+    plen=2,
+)
+def test_a_slot_cleared_by_replacement_answers_as_one_cleared_in_place(
+    native: bool, ops: list[tuple[Any, ...]], plen: int
+) -> None:
+    # Every non-empty slot cleared by replacement (RELEASE_CHUNK 0; with no running loop
+    # its old entries leave at once) answers, counts and bounds as the slot emptied in place.
+    ref = BlockIndex(native=native)
+    _apply_all(ref, ops)
+    idx = BlockIndex(native=native)
+    chunk = block_index.RELEASE_CHUNK
+    block_index.RELEASE_CHUNK = 0
+    try:
+        _apply_all(idx, ops)
+    finally:
+        block_index.RELEASE_CHUNK = chunk
+    assert not idx._leaving
+    for n in range(1, plen + 1):
+        assert _view(idx, KEYS[:n]) == _view(ref, KEYS[:n])
+    for ep in _EPS:
+        assert idx.stats(ep) == ref.stats(ep), ep
+        for r in (0, 1):
+            for ek in range(6):
+                assert idx.lookup_engine(ep, r, ek) == ref.lookup_engine(ep, r, ek)
+    assert idx.total_entries() == ref.total_entries()
+    assert list(idx._table.slots) == list(ref._table.slots)
+    assert idx.endpoints() == ref.endpoints()
+    _check_bits(idx)

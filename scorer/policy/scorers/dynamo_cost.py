@@ -77,19 +77,23 @@ class DynamoCost(Scorer):
             if options.block_life
             else None
         )
-        if self.life is not None:
-            # A worker leaving the pool takes its block-life state along (bounded by the pool).
+        if options.source == "decisions":
+            self.approx = ApproxIndex(options.ttl_s, options.max_keys, clock)
+        if self.life is not None or self.approx is not None:
+            # A worker leaving the pool takes its block-life state and what it was sent
+            # along (both bounded by the live pool).
             ctx.pool.subscribe(self._pool_changed)
         sessions = options.continuity > 0.0 or options.session_spread > 0.0
         self.sessions = Sessions(live_s=options.session_live_s) if sessions else None
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
-        if options.source == "decisions":
-            self.approx = ApproxIndex(options.ttl_s, options.max_keys, clock)
 
     def _pool_changed(self, change: PoolChange) -> None:
-        if change.change == "removed" and self.life is not None:
-            self.life.forget(change.worker.endpoint)
+        if change.change == "removed":
+            if self.life is not None:
+                self.life.forget(change.worker.endpoint)
+            if self.approx is not None:
+                self.approx.forget(change.worker.endpoint)
 
     def _life_rate_from(self) -> str:
         """`events` when asked for and the index counts BlockRemoved per worker, else
