@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/profile_datapath.py [--requests 300] [--chunks 20]
         [--policy round_robin] [--request-mode FULL_DUPLEX_STREAMED|BUFFERED] [--reference]
+        [--shape streamed|lean] [--event-loop asyncio|uvloop]
 
 In-process and without Envoy, so the stages can be timed where they run: a real `App`
 (asyncio transport, `extproc.track_responses` on, the policy asked for) gets one HTTP/2
@@ -10,6 +11,14 @@ sends the messages Envoy 1.40 sends for a streamed completion (request headers w
 processing modes, a 2 KB body, response headers, `--chunks` SSE body chunks, the last one
 with end_of_stream, the end of the stream), each in its own `data_received` as Envoy's
 frames arrive, and waits until it is answered before sending the next.
+
+`--shape lean`: what Envoy 1.40 sends with the local envoy/envoy.yaml (captured from its
+frames): one read with the stream's HEADERS and three messages (request headers, the body
+without end_of_stream, an empty body message with end_of_stream), answered with the routing
+answer and the body; then one read with an empty END_STREAM DATA frame and RST_STREAM
+(no answer: the stream is over). Row `request` is the first read, `stream_end` the second;
+`total` includes the event-loop turns until the answer is written (`stream_end`: until the
+handler is done). `--event-loop uvloop` runs it on uvloop (the server default).
 
 Stages (µs per message, median over the messages of a kind; exclusive time, perf_counter;
 each timed call adds the timer's own ~0.5 µs):
@@ -170,6 +179,8 @@ def message(kind: str, chunk: int = 0, last: bool = False, mode: int = 0) -> byt
         m.request_body.body = json.dumps(
             {"model": "m", "prompt": prompt, "stream": True, "max_tokens": 16}
         ).encode()
+        m.request_body.end_of_stream = not chunk  # chunk=1: more follows (the lean shape)
+    elif kind == "request_end":
         m.request_body.end_of_stream = True
     elif kind == "response_headers":
         for k, v in ((":status", "200"), ("content-type", "text/event-stream")):
@@ -287,7 +298,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         samples[kind].append(row)
         drain()
 
+    lean = args.shape == "lean"
     chunks = [message("response_body", i, i == args.chunks - 1) for i in range(args.chunks)]
+    lean_body = message("request_body", 1) if lean else b""
+    lean_end = message("request_end") if lean else b""
+    handlers_done = server.tasks
     body = message("request_body")
     rheaders = message("response_headers")
     sid = 1
@@ -308,6 +323,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # FULL_DUPLEX_STREAMED: the headers are answered after the body (the routing
         # answer, then the body streamed back); BUFFERED: at once.
         hmsg = message("request_headers", r, mode=mode)
+        if lean:
+            first = head + data_frame(sid, hmsg) + data_frame(sid, lean_body)
+            await send("request", first + data_frame(sid, lean_end))
+            end = F.frame(F.DATA, F.END_STREAM, sid) + F.frame(F.RST_STREAM, 0, sid, bytes(4))
+            await send("stream_end", end, False)
+            for _ in range(100):  # bounded: the handler ends within a few loop turns
+                if not handlers_done:
+                    break
+                await asyncio.sleep(0)
+            conn.data_received(F.window_update(0, 1 << 20))
+            sid += 2
+            continue
         await send("request_headers", head + data_frame(sid, hmsg), mode == PM.BUFFERED)
         await send("request_body", data_frame(sid, body))
         await send("response_headers", data_frame(sid, rheaders))
@@ -337,6 +364,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "datapath_stages",
         "policy": args.policy,
         "request_mode": args.request_mode,
+        "shape": args.shape,
+        "event_loop": args.event_loop,
         "reference": args.reference,
         "requests": args.requests,
         "chunks_per_request": args.chunks,
@@ -356,13 +385,21 @@ def main() -> int:
         choices=["FULL_DUPLEX_STREAMED", "BUFFERED"],
     )
     ap.add_argument("--reference", action="store_true", help="fast path off (protobuf path)")
+    ap.add_argument("--shape", default="streamed", choices=["streamed", "lean"])
+    ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "datapath_stages.json"))
     args = ap.parse_args()
-    doc = asyncio.run(run(args))
+    if args.event_loop == "uvloop":
+        import uvloop
+
+        doc = uvloop.run(run(args))
+    else:
+        doc = asyncio.run(run(args))
     path = "reference (protobuf) path" if args.reference else "fast path"
+    what = "lean shape" if args.shape == "lean" else f"x {args.chunks} chunks"
     print(
-        f"µs per message (median), {args.requests} requests x {args.chunks} chunks, "
-        f"{args.policy}, {args.request_mode}, {path}"
+        f"µs per message (median), {args.requests} requests {what}, "
+        f"{args.policy}, {args.request_mode}, {path}, {args.event_loop}"
     )
     print(
         f"{'message':>17} {'count':>6} | "

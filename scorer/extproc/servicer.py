@@ -59,6 +59,10 @@ STREAMS = Counter(
     ["outcome"],
 )
 ACTIVE = Gauge("kv_scorer_extproc_active_streams", "ext_proc streams open now")
+# Counted in a plain list cell and read at scrape time: a Gauge's inc/dec take a lock each,
+# twice per request on the data path.
+_active = [0]
+ACTIVE.set_function(lambda: _active[0])
 # Observed on the event loop (both transports run the servicer there): plain-list buckets.
 ROUTE_SECONDS = LoopHistogram(
     "kv_scorer_extproc_route_seconds",
@@ -118,7 +122,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if self.draining:
             _STREAM_COUNTERS["refused"].inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kv-scorer is shutting down")
-        ACTIVE.inc()
+        _active[0] += 1
         rid: str | None = None
         outcome = "error"
         ended = False  # the response ended in-band (end_of_stream or Envoy half-closed)
@@ -143,7 +147,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 log.exception("ext_proc stream failed")
             raise
         finally:
-            ACTIVE.dec()
+            _active[0] -= 1
             _STREAM_COUNTERS[outcome].inc()
             if rid is not None:
                 # End of stream, or a reset/cancel before it: the director releases the
@@ -167,22 +171,23 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # Envoy announces its body modes on the first message (ProtocolConfiguration); the
         # response answers follow the announced mode (absent: an Envoy without
         # FULL_DUPLEX_STREAMED, so plain answers).
-        response_mode = (
-            msg.protocol_config.response_body_mode
-            if msg.HasField("protocol_config")
-            else P.ProcessingMode.NONE
-        )
-        headers = P.header_map(msg.request_headers)
+        # (Each protobuf field access builds an object: every one is read once.)
+        if msg.HasField("protocol_config"):
+            pc = msg.protocol_config
+            response_mode = pc.response_body_mode
+            full_duplex = pc.request_body_mode == P.FULL_DUPLEX
+        else:
+            response_mode = P.ProcessingMode.NONE
+            full_duplex = True
+        rh = msg.request_headers
+        headers = P.header_map(rh)
         req = self.director.new_request(headers, self._subset(msg, headers))
 
-        if msg.request_headers.end_of_stream:
+        if rh.end_of_stream:
             d = await self.director.request_received(req, None)
             await context.write(self._headers_answer(d))
             return (*self._routed(d), response_mode)
 
-        full_duplex = True
-        if msg.HasField("protocol_config"):
-            full_duplex = msg.protocol_config.request_body_mode == P.FULL_DUPLEX
         if not full_duplex:
             # BUFFERED: Envoy waits for this answer before it sends the body.
             await context.write(self._strip_forged)
@@ -197,14 +202,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             assert isinstance(m, ep.ProcessingRequest)
             k = m.WhichOneof("request")
             if k == "request_body":
-                b = m.request_body.body
+                rb = m.request_body
+                b = rb.body
                 if b:
                     chunks.append(b)
                     size += len(b)
                 if size > self.max_body:
                     await context.write(self._error_answer(self.director.too_large(req)))
                     return None, "too_large", 0
-                if m.request_body.end_of_stream or m.request_body.end_of_stream_without_message:
+                if rb.end_of_stream or rb.end_of_stream_without_message:
                     break
             elif k == "request_trailers":
                 trailers = True
@@ -315,7 +321,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> bool:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange).
         Returns True when it ended in-band."""
-        task = asyncio.current_task()
+        # Our transport knows the stream's task (asyncio.current_task() costs a getpid()
+        # system call per call).
+        task = context.task if isinstance(context, H2Stream) else asyncio.current_task()
         if task is None or self._releasing:
             return False
         self._following.add(task)

@@ -310,12 +310,17 @@ class H2Connection(asyncio.BufferedProtocol):
                 break
             end = pos + 9 + length
             if lt & 0xFF == DATA and not flags and length > 5 and not self.cont_sid:
-                # The streamed-response lane: a DATA frame without flags for a stream
-                # answered in the frame loop (H2Stream.on_message), Envoy forwarding a
-                # response chunk. `one_message` answers it or changes nothing (then
-                # on_frame takes the same frame).
+                # The one-message lane: a DATA frame without flags holding one whole
+                # message, Envoy's usual frame. For a stream answered in the frame loop
+                # (H2Stream.on_message: a response chunk) `one_message` answers it, else
+                # `queue_message` queues it for the handler; either changes nothing when
+                # it does not apply (then on_frame takes the same frame).
                 s = streams.get(sid & 0x7FFFFFFF)
-                if s is not None and s.fast is not None and self.one_message(s, data, pos + 9, end):
+                if s is not None and (
+                    self.one_message(s, data, pos + 9, end)
+                    if s.fast is not None
+                    else self.queue_message(s, data, pos + 9, end)
+                ):
                     pos = end
                     continue
             payload = view[pos + 9 : end]
@@ -544,6 +549,51 @@ class H2Connection(asyncio.BufferedProtocol):
             self.owing.add(s)
         if self.big_sid == sid:
             self.big_sid = 0  # its message is complete
+        return True
+
+    def queue_message(self, s: H2Stream, data: bytes, start: int, end: int) -> bool:
+        """`on_data_frame` + `H2Stream.on_data` for one DATA frame without flags (payload
+        `data[start:end]`) holding exactly one whole uncompressed gRPC message on a
+        stream with nothing buffered: the message is parsed and queued for the handler
+        (started or woken as `on_data` does). Returns False, having changed nothing,
+        when any of that does not hold, a window or memory bound is in the way, or the
+        message does not parse (the general path then takes the frame and decides the
+        same). The accounting is the general path's for that case, in one place."""
+        flow_len = end - start
+        n = flow_len - 5
+        if (
+            data[start]
+            or int.from_bytes(data[start + 1 : start + 5], "big") != n
+            or n > self.server.max_message
+            or s._half_closed
+            or s._buf
+            or s._sizes is None
+            or s._unacked + flow_len > RECV_WINDOW
+            or self.recv_unacked + flow_len > CONN_RECV_WINDOW
+            or self.buffered + flow_len > self.limits.max_buffered
+        ):
+            return False
+        deserialize = s._deserialize
+        if deserialize is None:
+            msg: Any = data[start + 5 : end]
+        else:
+            try:
+                msg = deserialize(data[start + 5 : end])
+            except Exception:
+                return False  # the general path reports it
+        self.recv_unacked += flow_len
+        s._unacked += flow_len
+        s._held += flow_len
+        self.buffered += flow_len
+        s._msgs.append(msg)
+        s._sizes.append(flow_len)
+        self.grant(s, flow_len)
+        if self.big_sid == s.sid:
+            self.big_sid = 0  # its message is complete
+        if s.handler is not None:
+            s.start()
+        else:
+            s._wake()
         return True
 
     def grant(self, s: H2Stream, n: int) -> None:

@@ -150,7 +150,12 @@ class H2Stream:
         while not self._msgs:
             if self._cancelled:
                 raise asyncio.CancelledError()
-            self._waiter = self.conn.loop.create_future()
+            conn = self.conn
+            if conn.out and not conn.receiving:
+                # The handler waits now: what it wrote leaves at once, in one write (the
+                # flush already scheduled then finds nothing), not a loop turn later.
+                conn.flush()
+            self._waiter = conn.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -238,17 +243,25 @@ class H2Stream:
         an error text for a bad message: it ends this stream only."""
         if data:
             buf = self._buf
-            buf += data
-            while len(buf) >= 5:
-                compressed, n = MSG.unpack_from(buf)
+            # Messages are read straight from the frame's bytes (one copy each) unless a
+            # partial one is buffered; what is left of a partial message is kept.
+            if buf:
+                buf += data
+                src: memoryview | bytes | bytearray = buf
+            else:
+                src = data
+            pos = 0
+            size = len(src)
+            while size - pos >= 5:
+                compressed, n = MSG.unpack_from(src, pos)
                 if compressed:
                     return "compressed messages are not supported"
                 if n > self.conn.server.max_message:
                     return f"message larger than {self.conn.server.max_message} bytes"
-                if len(buf) < 5 + n:
+                if size - pos < 5 + n:
                     break
-                raw = bytes(buf[5 : 5 + n])
-                del buf[: 5 + n]
+                raw = bytes(src[pos + 5 : pos + 5 + n])
+                pos += 5 + n
                 fast = self.fast
                 w = self._waiter
                 if fast is not None and not self._msgs and w is not None and not w.done():
@@ -277,6 +290,10 @@ class H2Stream:
                         return f"could not parse the request message: {e}"
                 if self._sizes is not None:
                     self._sizes.append(5 + n)
+            if src is buf:
+                del buf[:pos]
+            elif pos < size:
+                buf += src[pos:]
         if end:
             self._half_closed = True
             if self._buf:
@@ -284,11 +301,17 @@ class H2Stream:
             self._msgs.append(EOF)
         if self._msgs:
             if self.handler is not None:
-                self.task = self.conn.loop.create_task(self.conn.server.run(self, self.handler))
-                self.handler = None
+                self.start()
             else:
                 self._wake()
         return None
+
+    def start(self) -> None:
+        """Start the handler (its first message is queued)."""
+        handler = self.handler
+        assert handler is not None
+        self.handler = None
+        self.task = self.conn.loop.create_task(self.conn.server.run(self, handler))
 
     def on_reset(self) -> None:
         """The peer reset the stream (or the connection is gone): cancel the handler."""
