@@ -102,7 +102,17 @@ class ApproxIndex:
         while len(entries) > self.max_keys:
             entries.popitem(last=False)
 
-    insert_speculative = insert
+    def insert_speculative(
+        self,
+        endpoint: str,
+        keys: Sequence[int],
+        ttl_s: float | None = None,
+        wait_s: float = 0.0,
+        block_s: float = 0.0,
+        step_blocks: int = 0,
+    ) -> None:
+        """`insert` (a routed prefix counts as cached for `ttl_s`; no prefill timing)."""
+        self.insert(endpoint, keys, ttl_s)
 
     def forget(self, endpoint: str) -> None:
         """`endpoint` left the pool: no lookup counts what it was sent from now on, and a
