@@ -296,7 +296,19 @@ class IndexConfig(Strict):
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.3, "DISK": 0.05}
     )
     speculative_ttl_s: float = Field(2.0, ge=0)
+    # Cap on a speculative entry's life once the wait for its prefill is added (a long
+    # prompt behind a queue is stored step by step, seconds later; scorer.index.speculative).
+    speculative_ttl_max_s: float = Field(30.0, ge=0)
     max_blocks_per_worker: int = Field(2_000_000, ge=1)
+
+    @model_validator(mode="after")
+    def _ttl_max(self) -> IndexConfig:
+        if self.speculative_ttl_max_s < self.speculative_ttl_s:
+            raise ValueError(
+                f"speculative_ttl_max_s ({self.speculative_ttl_max_s}) is below "
+                f"speculative_ttl_s ({self.speculative_ttl_s})"
+            )
+        return self
 
 
 class TokenizerModelConfig(Strict):

@@ -16,6 +16,7 @@ It starts one `Subscriber` per pool worker that has `events` configured (when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -28,7 +29,7 @@ from aiohttp import web
 from scorer.blocks import BlockHasher, namespace_key
 from scorer.config import Config
 from scorer.errors import json_error
-from scorer.events.apply import Applier
+from scorer.events.apply import BLOCK_SIZE_MISMATCH, Applier
 from scorer.events.subscriber import StreamStatus, Subscriber
 from scorer.index import BlockIndex
 from scorer.pool import Pool
@@ -83,6 +84,9 @@ class EventIngest:
         if change.change == "removed":
             self.index.release(ep)
             self.applier.stats.pop(ep, None)
+            # Its per-endpoint series goes too (pods churn: series must not grow).
+            with contextlib.suppress(KeyError):
+                BLOCK_SIZE_MISMATCH.remove(ep)
             return
         self.index.purge(ep)
         events = change.worker.config.events

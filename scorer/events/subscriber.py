@@ -490,34 +490,77 @@ class Subscriber:
         * reconnect: messages after our last seq are applied; if the buffer no longer
           reaches back to it, the worker is purged first (gap) and rebuilt from the buffer.
 
+        A worker we already follow is asked from our last seq (the lowest over its ranks),
+        not from 0: vLLM's replay socket sends every buffered message with seq >= the one
+        asked (`ZmqEventPublisher._service_replay`, vllm/distributed/kv_events.py), so the
+        reply is what we missed plus the message at our last seq (its timestamp tells a
+        restart), and the lock live messages wait on is held for that much only. Only when
+        that reply shows a restart (empty, or our last seq with another batch) is the whole
+        buffer asked for, to rebuild from the new engine's history.
+
         The buffer (up to vLLM's 10,000 batches, each with the token ids of its blocks) is
         decoded in a worker thread and applied in bursts, so a sync never holds the event
         loop: a stalled loop let speculative entries expire before the BlockStored
         confirming them was read (docs/policy.md, "lost events").
         """
-        outcome, raw = await self._fetch_replay(0)
+        known = self.stats.last_seq
+        start = min(known.values()) if known else 0
+        outcome, raw = await self._fetch_replay(start)
+        msgs = await self._decode_sync(raw) if outcome == "ok" else []
+        if outcome == "ok" and start > 0 and self._restart_in(msgs):
+            outcome, raw = await self._fetch_replay(0)
+            msgs = await self._decode_sync(raw) if outcome == "ok" else []
         if outcome == "ok":
-            await self._apply_sync(raw)
+            await self._apply_sync(msgs)
         # Counted once applied: a count in /debug/index says the sync is over.
         SYNCS.labels(outcome).inc()
         self._count(self.stats.syncs, outcome)
 
-    async def _apply_sync(self, raw: list[tuple[str | None, int, bytes]]) -> None:
-        """Apply a whole replay buffer as `_sync` says."""
-        known = self.stats.last_seq
-        if not raw:
-            if known:
-                self._restarted()
-            return
+    async def _decode_sync(self, raw: list[tuple[str | None, int, bytes]]) -> list[Message]:
+        """A replay reply's messages, decoded in a worker thread (errors counted)."""
         msgs: list[Message] = []
         for m in await asyncio.to_thread(_decode_replies, raw):
             if isinstance(m, DecodeError):
                 self._error(m)
             else:
                 msgs.append(m)
+        return msgs
+
+    @staticmethod
+    def _by_rank(msgs: list[Message]) -> dict[int, list[Message]]:
         by_rank: dict[int, list[Message]] = {}
         for m in msgs:
             by_rank.setdefault(m.batch.dp_rank or 0, []).append(m)
+        for ms in by_rank.values():
+            ms.sort(key=lambda m: m.seq)
+        return by_rank
+
+    def _restarted_rank(self, rank: int, ms: list[Message]) -> bool:
+        """A rank's replayed messages (sorted) come from a new engine: the message with
+        our last seq is another batch, or the buffer ends before our last seq."""
+        last = self.stats.last_seq.get(rank)
+        if last is None:
+            return False
+        same = next((m for m in ms if m.seq == last), None)
+        if same is not None:
+            return same.batch.ts != self._last_ts.get(rank)
+        return ms[-1].seq < last
+
+    def _restart_in(self, msgs: list[Message]) -> bool:
+        """A reply asked from our last seq shows a new engine (nothing, not even the
+        message at our last seq, or that seq holding another batch)."""
+        if not msgs:
+            return True
+        return any(self._restarted_rank(r, ms) for r, ms in self._by_rank(msgs).items())
+
+    async def _apply_sync(self, msgs: list[Message]) -> None:
+        """Apply a replay reply's (decoded) messages as `_sync` says."""
+        known = self.stats.last_seq
+        if not msgs:
+            if known:
+                self._restarted()
+            return
+        by_rank = self._by_rank(msgs)
         idx = self.applier.index
         applied = 0
         for rank, ms in by_rank.items():
@@ -527,16 +570,12 @@ class Subscriber:
             ):
                 self._drop("ranks", len(ms))
                 continue
-            ms.sort(key=lambda m: m.seq)
             last = known.get(rank)
             if last is not None:
-                same = next((m for m in ms if m.seq == last), None)
-                if (same is not None and same.batch.ts != self._last_ts.get(rank)) or (
-                    same is None and ms[-1].seq < last
-                ):
+                if self._restarted_rank(rank, ms):
                     self._restarted()
                     last = None
-                elif same is None and ms[0].seq > last + 1:
+                elif ms[0].seq > last + 1:
                     self._purge("gap")
                     known.pop(rank, None)
                     last = None

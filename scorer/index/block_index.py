@@ -312,14 +312,30 @@ class BlockIndex:
     # ---- speculative entries -----------------------------------------------------------
 
     def insert_speculative(
-        self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None
+        self,
+        endpoint: str,
+        keys: Sequence[int],
+        ttl_s: float | None = None,
+        wait_s: float = 0.0,
+        block_s: float = 0.0,
+        step_blocks: int = 0,
     ) -> None:
         """The router just sent these blocks to `endpoint`: count them as held (GPU) until a
-        confirming BlockStored replaces them or `ttl_s` (default index.speculative_ttl_s) ends."""
+        confirming BlockStored replaces them or `ttl_s` (default index.speculative_ttl_s) ends.
+
+        The engine stores them only once prefilled, step by step: with `wait_s` (predicted
+        seconds before the request's prefill starts there) and `block_s` (seconds per block
+        prefilled), block i's TTL starts wait_s + block_s x (i + 1) later, rounded up to the
+        end of its engine step (`step_blocks` blocks), capped at index.speculative_ttl_max_s
+        (scorer.index.speculative)."""
         ttl = self.config.speculative_ttl_s if ttl_s is None else ttl_s
         if ttl <= 0 or not keys:
             return
-        self._specs.insert(self._slot(endpoint, 0), keys, self.clock() + ttl, self._gpu)
+        now = self.clock()
+        last = now + max(ttl, self.config.speculative_ttl_max_s)
+        self._specs.insert(
+            self._slot(endpoint, 0), keys, now + ttl + wait_s, self._gpu, step_blocks, block_s, last
+        )
 
     def expire(self, now: float | None = None) -> None:
         """Drop speculative entries whose TTL has passed (match calls this)."""

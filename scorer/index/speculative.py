@@ -27,20 +27,44 @@ class SpeculativeEntries:
         self.heap: list[tuple[float, int, int, tuple[int, ...]]] = []
         self._seq = itertools.count()
 
-    def insert(self, s: Slot, keys: Sequence[int], expiry: float, gpu: dict[int, int]) -> None:
-        """Count `keys` as held by slot `s` until `expiry` (keys it holds on GPU are skipped)."""
+    def insert(
+        self,
+        s: Slot,
+        keys: Sequence[int],
+        expiry: float,
+        gpu: dict[int, int],
+        step: int = 0,
+        step_s: float = 0.0,
+        last: float = float("inf"),
+    ) -> None:
+        """Count `keys` as held by slot `s` until `expiry` (keys it holds on GPU are skipped).
+
+        Chunked (`step` > 0 keys per chunk): the engine stores a long prompt's blocks step
+        by step, so chunk c (keys [c*step, (c+1)*step)) lives until `expiry` + `step_s` x
+        (keys up to the chunk's end), capped at `last`: one expiry and one heap batch per
+        chunk, not per key. Unchunked: every key until min(`expiry`, `last`)."""
         bit = 1 << s.bit
         masks = self.masks
-        new: list[int] = []
-        for k in keys:
-            if gpu.get(k, 0) & bit:
-                continue  # already confirmed
-            masks[k] = masks.get(k, 0) | bit
-            s.spec[k] = expiry
-            new.append(k)
-        if new:
-            heapq.heappush(self.heap, (expiry, next(self._seq), s.bit, tuple(new)))
-            SPECULATIVE.labels("inserted").inc(len(new))
+        spec = s.spec
+        n = len(keys)
+        if step <= 0 or step_s <= 0.0:
+            step = n or 1
+        inserted = 0
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            exp = min(expiry + step_s * hi, last)
+            new: list[int] = []
+            for k in keys[lo:hi]:
+                if gpu.get(k, 0) & bit:
+                    continue  # already confirmed
+                masks[k] = masks.get(k, 0) | bit
+                spec[k] = exp
+                new.append(k)
+            if new:
+                heapq.heappush(self.heap, (exp, next(self._seq), s.bit, tuple(new)))
+                inserted += len(new)
+        if inserted:
+            SPECULATIVE.labels("inserted").inc(inserted)
 
     def _clear(self, k: int, bit: int) -> None:
         m = self.masks.get(k, 0)

@@ -5,24 +5,21 @@ When a request is routed to a worker, its block keys are remembered for that wor
 request sharing the prefix then matches as in the event-fed index, every remembered block
 counted as a GPU block.
 
-Memory: at most `max_keys` keys (oldest-touched evicted first), each with at most one
-holder per live worker. A key's holders are `_Holder` tokens, one per worker *incarnation*:
-a worker that leaves (`forget`) has its token killed at once (no lookup counts it, and a
-worker that joins again at that address gets a new token, so it inherits nothing); dead
-and expired holders leave a key when it is touched once it has more holders than there
-are live workers, and every key once a sweep after a departure passes it (`SWEEP_CHUNK`
-keys per event-loop turn, so a million keys never hold the loop in one piece).
+Memory: at most `max_keys` keys (oldest-touched evicted first), each with at most as many
+holders as there were live workers when it was last touched. A key's holders are
+`_Holder` tokens, one per worker *incarnation*: a worker that leaves (`forget`, on the
+pool's removal notice) has its token killed at once (no lookup counts it, and a worker
+that joins again at that address gets a new token, so it inherits nothing); a touched key
+with more holders than live workers drops its dead and expired ones, so a hot key never
+grows with every pod ever routed to it. (No scan of every key at a departure: a million
+keys would hold the event loop for tens of ms.)
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-
-# Keys a departure sweep visits per event-loop turn (~2 ms).
-SWEEP_CHUNK = 20_000
 
 
 @dataclass(slots=True)
@@ -53,8 +50,6 @@ class ApproxIndex:
         self.clock = clock
         self._entries: OrderedDict[int, dict[_Holder, float]] = OrderedDict()
         self._holders: dict[str, _Holder] = {}  # endpoint -> its live holder
-        self._sweep: list[int] | None = None  # keys a departure sweep has still to visit
-        self._sweep_again = False  # a worker left while a sweep ran
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,59 +87,37 @@ class ApproxIndex:
             me = self._holders[endpoint] = _Holder(endpoint)
         live = len(self._holders)
         entries = self._entries
+        get, to_end = entries.get, entries.move_to_end
         for k in keys:
-            holders = entries.get(k)
+            holders = get(k)
             if holders is None:
                 entries[k] = {me: expiry}
             else:
-                n = len(holders)
-                if n > live or (n == live and me not in holders):
-                    # More holders than live workers once `me` is in: some are dead ones.
+                holders[me] = expiry
+                if len(holders) > live:
+                    # More holders than live workers: some are dead ones (`me` stays).
                     for h in [h for h, exp in holders.items() if exp <= now or not h.live]:
                         del holders[h]
-                holders[me] = expiry
-                entries.move_to_end(k)
+                to_end(k)
         while len(entries) > self.max_keys:
             entries.popitem(last=False)
 
-    insert_speculative = insert
+    def insert_speculative(
+        self,
+        endpoint: str,
+        keys: Sequence[int],
+        ttl_s: float | None = None,
+        wait_s: float = 0.0,
+        block_s: float = 0.0,
+        step_blocks: int = 0,
+    ) -> None:
+        """`insert` (a routed prefix counts as cached for `ttl_s`; no prefill timing)."""
+        self.insert(endpoint, keys, ttl_s)
 
     def forget(self, endpoint: str) -> None:
-        """`endpoint` left the pool: no lookup counts what it was sent from now on (a worker
-        joining again there starts empty); its holders leave every key in a sweep of
-        `SWEEP_CHUNK` keys per event-loop turn (all at once with no running loop)."""
+        """`endpoint` left the pool: no lookup counts what it was sent from now on, and a
+        worker joining again there starts empty. O(1): its holders leave a key when the key
+        is next touched (see `insert`) or evicted, not in a scan of every key."""
         h = self._holders.pop(endpoint, None)
-        if h is None:
-            return
-        h.live = False
-        if self._sweep is not None:
-            self._sweep_again = True
-            return
-        self._sweep = list(self._entries)
-        self._sweep_step()
-
-    def _sweep_step(self) -> None:
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        while self._sweep is not None:
-            todo = self._sweep
-            n = len(todo) if loop is None else min(SWEEP_CHUNK, len(todo))
-            entries = self._entries
-            for k in todo[len(todo) - n :]:
-                holders = entries.get(k)
-                if holders is not None:
-                    for h in [h for h in holders if not h.live]:
-                        del holders[h]
-                    if not holders:
-                        del entries[k]
-            del todo[len(todo) - n :]
-            if todo:
-                assert loop is not None
-                loop.call_soon(self._sweep_step)
-                return
-            self._sweep = None
-            if self._sweep_again:
-                self._sweep_again = False
-                self._sweep = list(self._entries)
+        if h is not None:
+            h.live = False

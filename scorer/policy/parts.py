@@ -39,7 +39,13 @@ class IndexLike(Protocol):
     ) -> Mapping[str, MatchLike]: ...
 
     def insert_speculative(
-        self, endpoint: str, keys: Sequence[int], ttl_s: float | None = None
+        self,
+        endpoint: str,
+        keys: Sequence[int],
+        ttl_s: float | None = None,
+        wait_s: float = 0.0,
+        block_s: float = 0.0,
+        step_blocks: int = 0,
     ) -> None: ...
 
 

@@ -273,3 +273,47 @@ async def test_ingest_stop_keeps_the_callers_cancel(ctx: zmq.asyncio.Context) ->
         release.set()
         await closing
         await pub.close()
+
+
+async def test_a_leaving_worker_takes_its_block_size_mismatch_series_along() -> None:
+    """Per-endpoint series must not grow with churn: the pool's "removed" drops it."""
+    from prometheus_client import REGISTRY
+
+    from scorer.events.decode import BlockStored, EventBatch
+
+    ev: dict[str, Any] = {"endpoint": "tcp://127.0.0.1:1", "replay_endpoint": None}
+    cfg = Config.model_validate(
+        {"pool": {"workers": [{"endpoint": EP, "events": ev}], "block_size": BS}}
+    )
+    pool = Pool.from_config(cfg)
+    ing = EventIngest(cfg, pool, BlockIndex(cfg.index), HASHER)
+    name = "kv_scorer_block_size_mismatch_total"
+    ing.applier.apply(EP, EventBatch(0.0, [BlockStored([1], None, list(range(2 * BS)), 2 * BS)]))
+    assert REGISTRY.get_sample_value(name, {"endpoint": EP}) == 1.0
+    pool.remove(EP, "deleted")
+    assert REGISTRY.get_sample_value(name, {"endpoint": EP}) is None
+
+
+async def test_a_reconnect_sync_asks_from_the_last_seq_applied(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A worker we follow is asked from our last seq, not its whole buffer again (the
+    lock live messages wait on is held for what we missed only)."""
+    pub = Publisher(ctx)
+    ing = ingest(pub)
+    await ing.start()
+    try:
+        await pub.wait_subscribed()
+        await chain(pub, 4)
+        await until(lambda: matched(ing) == 4)
+        sub = ing.subscribers[EP]
+        # Two messages the SUB missed while disconnected (in the replay buffer only).
+        for i in (4, 5):
+            await pub.publish([stored([100 + i], 100 + i - 1, blk(i))], send=False)
+        await sub._locked_sync()  # what a reconnection runs
+        assert pub.replay_requests[-1] == 3
+        assert matched(ing) == 6 and sub.stats.last_seq == {0: 5}
+        assert sub.stats.purges == {} and sub.stats.syncs == {"ok": 2}
+    finally:
+        await ing.stop()
+        await pub.close()

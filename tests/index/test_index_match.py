@@ -76,6 +76,40 @@ def test_speculative_ttl_and_confirmation() -> None:
     assert "b" not in idx.match(KEYS)
 
 
+def test_speculative_ttl_starts_once_each_engine_step_is_prefilled() -> None:
+    """Block i lives ttl + wait + block_s x (i + 1), rounded up to its step's end, capped."""
+    idx = ix(speculative_ttl_s=2.0)
+    now = [100.0]
+    idx.clock = lambda: now[0]
+    idx.insert_speculative("a", KEYS, wait_s=1.0, block_s=0.5, step_blocks=4)
+    # Steps end after blocks 4, 8, 10: expiries 105, 107, 108.
+    now[0] = 104.9
+    assert idx.match(KEYS)["a"].blocks == 10
+    idx.add("a", 0, range(4), KEYS[:4])  # the first step's BlockStored
+    now[0] = 106.9
+    assert idx.match(KEYS)["a"].blocks == 10
+    now[0] = 107.1
+    assert idx.match(KEYS)["a"].blocks == 4  # the second step was never confirmed
+    assert idx.stats("a")["speculative"] == 2
+    now[0] = 108.1
+    assert idx.stats("a")["speculative"] == 2  # expired on the next match
+    assert idx.match(KEYS)["a"].blocks == 4 and idx.stats("a")["speculative"] == 0
+    # Capped at speculative_ttl_max_s; no wait: the plain TTL.
+    idx = ix(speculative_ttl_s=2.0, speculative_ttl_max_s=3.0)
+    idx.clock = lambda: now[0]
+    idx.insert_speculative("a", KEYS, wait_s=1.0, block_s=0.5, step_blocks=4)
+    idx.insert_speculative("b", KEYS)
+    now[0] += 2.9
+    assert {e: m.blocks for e, m in idx.match(KEYS).items()} == {"a": 10}
+    now[0] += 0.2
+    assert idx.match(KEYS) == {}
+
+
+def test_speculative_ttl_max_below_ttl_stops_start_up() -> None:
+    with pytest.raises(ValueError, match="speculative_ttl_max_s"):
+        ix(speculative_ttl_s=5.0, speculative_ttl_max_s=1.0)
+
+
 def test_memory_bound_evicts_oldest() -> None:
     idx = ix(max_blocks_per_worker=64)
     keys = BlockHasher(1).keys(list(range(200)))

@@ -1,16 +1,12 @@
 """The decision-fed index (policy `approx`) is bounded by the live pool: a worker that
-leaves takes what it was sent along (at once for lookups, in chunks for memory), a hot key
-never grows with every pod ever routed to it, and a worker joining again at an address
-starts empty."""
+leaves takes what it was sent along (at once for lookups, at a key's next touch for
+memory), a hot key never grows with every pod ever routed to it, and a worker joining
+again at an address starts empty."""
 
 from __future__ import annotations
 
-import asyncio
-
-import pytest
 from kvpolicy_helpers import endpoint, keys, make, request
 
-from scorer.policy import approx_index
 from scorer.policy.approx_index import ApproxIndex
 from scorer.routing import Reason
 
@@ -39,7 +35,7 @@ def test_a_hot_key_holds_only_live_workers_through_pod_churn() -> None:
         assert d.endpoint == ep
         s.pool.remove(ep, "deleted")
     assert len(approx) == len(hot)
-    assert approx.holders() <= len(s.pool.workers) * len(hot)
+    assert sum(map(len, approx._entries.values())) <= len(s.pool.workers) * len(hot)
     assert approx.match(hot).keys() == {endpoint(0)}
 
 
@@ -72,53 +68,21 @@ def test_touching_a_key_drops_expired_and_dead_holders() -> None:
     assert {ep: m.blocks for ep, m in ix.match([1, 2]).items()} == {"a": 1}
 
 
-def test_forget_sweeps_in_chunks_and_keeps_a_new_incarnations_keys(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(approx_index, "SWEEP_CHUNK", 10)
+def test_forget_is_at_once_for_lookups_and_in_place_at_the_next_touch() -> None:
     clock = Clock()
     ix = ApproxIndex(ttl_s=100.0, max_keys=1000, clock=clock)
-    ix.insert("a", list(range(100)))
-    ix.insert("b", list(range(50)))
-
-    async def run() -> None:
-        ix.forget("a")
-        # No lookup counts a from the departure on, before the sweep reaches its keys.
-        assert ix.match(list(range(100))).keys() == {"b"}
-        assert ix.holders() == 150 - 10  # one chunk so far
-        ix.insert("a", [0, 1, 99])  # a new pod at a's address, routed during the sweep
-        for _ in range(100):  # bounded: 10 keys per loop turn
-            if ix._sweep is None:
-                break
-            await asyncio.sleep(0)
-        assert ix._sweep is None
-
-    asyncio.run(run())
-    assert ix.holders() == 50 + 3
-    assert ix.match([0, 1]).keys() == {"a", "b"}
-    assert ix.match([99]).keys() == {"a"}
-    assert len(ix) == 51
-
-
-def test_forget_without_a_loop_sweeps_at_once_and_departures_during_a_sweep_are_swept() -> None:
-    clock = Clock()
-    ix = ApproxIndex(ttl_s=100.0, max_keys=1000, clock=clock)
-    for ep in ("a", "b", "c"):
-        ix.insert(ep, list(range(30)))
+    ix.insert("a", list(range(10)))
+    ix.insert("b", list(range(10)))
     ix.forget("a")
-    assert ix.holders() == 60 and ix._sweep is None
-
-    async def run() -> None:
-        approx_index.SWEEP_CHUNK, chunk = 5, approx_index.SWEEP_CHUNK
-        try:
-            ix.forget("b")
-            ix.forget("c")  # while b's sweep runs: swept after it
-            for _ in range(100):
-                if ix._sweep is None:
-                    break
-                await asyncio.sleep(0)
-        finally:
-            approx_index.SWEEP_CHUNK = chunk
-
-    asyncio.run(run())
-    assert ix.holders() == 0 and len(ix) == 0
+    ix.forget("never-seen")  # nothing to do
+    assert ix.match(list(range(10))).keys() == {"b"}
+    assert ix.holders() == 20  # O(1): no scan of every key
+    ix.insert("c", list(range(5)))  # touched keys drop a's dead holder
+    for k in range(5):
+        assert {h.endpoint for h in ix._entries[k]} == {"b", "c"}
+    for k in range(5, 10):
+        assert len(ix._entries[k]) == 2  # untouched: a's holder stays, never counted
+    assert {e: m.blocks for e, m in ix.match(list(range(10))).items()} == {"b": 10, "c": 5}
+    ix.insert("a", [7])  # a new worker at a's address: only what it is sent now
+    assert {e: m.blocks for e, m in ix.match([7, 8]).items()} == {"a": 1, "b": 2}
+    assert ix.holders() == 10 + 5 + 5 + 1

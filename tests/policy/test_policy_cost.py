@@ -220,6 +220,36 @@ def test_speculative_insert_makes_a_burst_hit_the_same_worker() -> None:
         assert d.matched_tokens == 32 * 16
 
 
+def test_speculative_blocks_of_a_long_prompt_behind_a_queue_outlive_its_prefill() -> None:
+    """The engine stores a long prompt step by step after the queue ahead: each block's
+    TTL starts when the decision predicts it is prefilled (default prefill line: 20 ms +
+    0.1 ms per token; queue 3,000 blocks = 4.82 s; 1.6 ms per block of 16 tokens; steps of
+    8,192 tokens = 512 blocks end at +7.64, +8.46, +9.28, +10.02 s with the 2 s TTL)."""
+    s = make(1)
+    now = [50.0]
+    s.index.clock = lambda: now[0]
+    set_load(s, 0, prefill=3000)
+    k = keys(2000)
+    s.policy.decide(request(k), list(s.pool))
+    now[0] += 2.5  # past the plain TTL: nothing is prefilled yet, so nothing expired
+    assert s.index.match(k)[endpoint(0)].blocks == 2000
+    now[0] = 58.0
+    hold(s.index, endpoint(0), k[:1024])  # the first two steps' BlockStored
+    now[0] = 59.0
+    assert s.index.match(k)[endpoint(0)].blocks == 2000
+    now[0] = 59.5  # the third step's blocks were never confirmed
+    assert s.index.match(k)[endpoint(0)].blocks == 1024
+    # index.speculative_ttl_max_s bounds the wait.
+    s = make(1, index={"speculative_ttl_max_s": 5.0})
+    s.index.clock = lambda: now[0]
+    set_load(s, 0, prefill=3000)
+    s.policy.decide(request(k), list(s.pool))
+    now[0] += 4.9
+    assert s.index.match(k)[endpoint(0)].blocks == 2000
+    now[0] += 0.2
+    assert s.index.match(k) == {}
+
+
 def test_fallbacks_are_next_cheapest() -> None:
     s = make(3, options={"fallbacks": 2, "credit_decay": 0})
     set_load(s, 0, decode=30)

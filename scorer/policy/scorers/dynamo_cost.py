@@ -46,6 +46,12 @@ class DynamoCostOptions(CostModelOptions):
 
 _blocks = attrgetter("blocks")
 
+# Prompt tokens vLLM prefills per engine step by default (max_num_batched_tokens: 8,192
+# for the OpenAI server on a >= 70 GiB GPU, 2,048 on smaller ones; EngineArgs.
+# get_batch_defaults in vllm/engine/arg_utils.py): a long prompt's blocks are stored, and
+# their BlockStored published, one step's worth at a time.
+STEP_TOKENS = 8192
+
 
 @plugin("dynamo_cost")
 class DynamoCost(Scorer):
@@ -330,7 +336,28 @@ class DynamoCost(Scorer):
         if self.options.speculative and keys:
             idx = self.index()
             if idx is not None:
-                idx.insert_speculative(ep, keys[matched:])
+                wait_s, block_s = self._prefill_timing(cycle, winner)
+                idx.insert_speculative(
+                    ep, keys[matched:], None, wait_s, block_s, STEP_TOKENS // cycle.block_size
+                )
+
+    def _prefill_timing(self, cycle: Cycle, winner: int) -> tuple[float, float]:
+        """(seconds before the winner starts this request's prefill, seconds per block
+        prefilled) as the decision predicted them: the prefill line the fleet terms used
+        (else the fitted model) over the winner's active prefill blocks (the queue ahead)
+        from the cost table. The speculative entries' TTL starts once their blocks are
+        stored, step by step (BlockIndex.insert_speculative)."""
+        table = cycle.cost
+        k = None if table is None else table.position(winner)
+        queue = 0.0 if table is None or k is None else table.prefill[k]
+        if table is not None and table.fleet is not None:
+            a, b, _lo, hi = table.fleet.prefill_line
+        else:
+            model = self.ctx.parts.prefill or self._model
+            a, b, hi = model.a, model.b, model.max_s
+        bs = cycle.block_size
+        wait = a + b * queue * bs if queue > 0.0 else a
+        return min(max(wait, 0.0), hi), max(b, 0.0) * bs
 
     def _record_life(self, cycle: Cycle, w: Worker, keys: list[int]) -> None:
         """The winner's written blocks (its eviction rate once full) and chain time."""
