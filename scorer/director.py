@@ -21,6 +21,7 @@ OpenAI error shape (`scorer.errors`).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -42,7 +43,7 @@ from scorer.policy.profile import Profile
 from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
 from scorer.pool.prefill import PrefillModel, scrape_correction
-from scorer.pool.workers import Pool
+from scorer.pool.workers import Pool, PoolChange
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 from scorer.usage import OUTCOMES as USAGE_OUTCOMES
 from scorer.usage import Usage, UsageReader
@@ -209,7 +210,10 @@ class Director:
         self._pages: dict[str, tuple[int, float]] = {}
         self._stale_after_s = config.load.stale_after_s
         self._recheck_s = config.load.scrape_interval_s
-        self._token_counters: dict[tuple[str, str, str], Any] = {}
+        # TOKENS children per endpoint: {endpoint: {(model, kind): child}}, dropped (and the
+        # series removed) when the worker leaves the pool: pods churn, series must not grow.
+        self._token_counters: dict[str, dict[tuple[str, str], Any]] = {}
+        pool.subscribe(self._pool_changed)
         # Called once per request that was routed and followed, when it ends. The hook point
         # for request metrics (model, endpoint, status, duration). Hooks must not raise.
         self.completion_hooks: list[CompletionHook] = []
@@ -618,6 +622,13 @@ class Director:
             )
 
     def _count_tokens(self, model: str | None, endpoint: str, usage: Usage) -> None:
+        by_ep = self._token_counters.get(endpoint)
+        if by_ep is None:
+            if self.pool.workers.get(endpoint) is None:
+                # It left the pool while this response ran: its series are gone, and one
+                # made again now would never be removed.
+                return
+            by_ep = self._token_counters[endpoint] = {}
         m = model or ""
         if m not in self._models:
             if len(self._models) >= _MAX_MODELS:
@@ -630,11 +641,20 @@ class Director:
             ("cached", usage.cached_tokens),
         ):
             if n:
-                key = (m, endpoint, kind)
-                c = self._token_counters.get(key)
+                key = (m, kind)
+                c = by_ep.get(key)
                 if c is None:
-                    c = self._token_counters[key] = TOKENS.labels(*key)
+                    c = by_ep[key] = TOKENS.labels(m, endpoint, kind)
                 c.inc(n)
+
+    def _pool_changed(self, change: PoolChange) -> None:
+        """A worker left: drop its kv_scorer_response_tokens_total series."""
+        if change.change != "removed":
+            return
+        ep = change.worker.endpoint
+        for m, kind in self._token_counters.pop(ep, {}):
+            with contextlib.suppress(KeyError):
+                TOKENS.remove(m, ep, kind)
 
     def __len__(self) -> int:
         """Requests in flight (followed)."""

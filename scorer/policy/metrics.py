@@ -8,6 +8,7 @@ event loop, ~0.15 µs each instead of prometheus_client's ~1.5 µs; same familie
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from prometheus_client import Counter
@@ -18,8 +19,7 @@ from scorer.routing import Decision
 DECISIONS = Counter(
     "kv_scorer_decisions_total", "Routing decisions by policy and reason", ["policy", "reason"]
 )
-# Labelled children resolved once: labels() costs a lock and a dict lookup per call.
-_decision_counters: dict[tuple[str, str], Any] = {}
+# Labelled children resolved once (below): labels() costs a lock and a dict lookup per call.
 MATCHED_RATIO = LoopHistogram(
     "kv_scorer_matched_token_ratio",
     "Matched (cached) prompt tokens on the chosen worker / prompt tokens, per decision",
@@ -52,22 +52,38 @@ STAGE_SECONDS = LoopHistogram(
 # explain + bookkeeping, as the router times it) stays in the decision log only.
 STAGES = ("parse", "tokenize", "hash", "match", "score", "explain", "total")
 _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
-_ratio_children: dict[str, HistogramChild] = {}
+# Per (policy, reason): its counter child and the policy's ratio child (created on first
+# use, as labels() would: a label set appears once it is observed).
+_by_key: dict[tuple[str, str], tuple[Any, list[HistogramChild | None]]] = {}
+_ratio_children: dict[str, list[HistogramChild | None]] = {}
+
+
+def _resolve(key: tuple[str, str]) -> tuple[Any, list[HistogramChild | None]]:
+    ratio = _ratio_children.get(key[0])
+    if ratio is None:
+        ratio = _ratio_children[key[0]] = [None]
+    got = _by_key[key] = (DECISIONS.labels(key[0], str(key[1])), ratio)
+    return got
 
 
 def observe_decision(d: Decision) -> None:
     """Record one decision: count by policy and reason, matched-token ratio, stages."""
-    key = (d.policy, str(d.reason))
-    counter = _decision_counters.get(key)
-    if counter is None:
-        counter = _decision_counters[key] = DECISIONS.labels(*key)
-    counter.inc()
+    # A Reason is a StrEnum: it hashes and compares as its value (no str() per decision).
+    key = (d.policy, d.reason)
+    got = _by_key.get(key)
+    if got is None:
+        got = _resolve(key)
+    got[0].inc()
+    children = _stage_children
     for stage, seconds in d.stages.items():
-        child = _stage_children.get(stage)
+        child = children.get(stage)
         if child is not None:
-            child.observe(seconds)
+            # HistogramChild.observe, inlined (a method call per stage was most of this).
+            child.counts[bisect_left(child._bounds, seconds)] += 1
+            child.sum += seconds
     if d.endpoints and d.request_tokens > 0:
-        ratio = _ratio_children.get(d.policy)
+        slot = got[1]
+        ratio = slot[0]
         if ratio is None:
-            ratio = _ratio_children[d.policy] = MATCHED_RATIO.labels(d.policy)
+            ratio = slot[0] = MATCHED_RATIO.labels(d.policy)
         ratio.observe(min(d.matched_tokens / d.request_tokens, 1.0))
