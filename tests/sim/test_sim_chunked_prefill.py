@@ -7,6 +7,7 @@ worker over ZMQ (the BlockStored batches a subscriber sees).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import random
@@ -21,6 +22,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvscorer_tools.sim import cli
 from kvscorer_tools.sim.cache import PrefixCache, vllm_block_hashes
 from kvscorer_tools.sim.scheduler import Progress, Step, release, schedule_step
 from kvscorer_tools.sim.worker import SimConfig, SimWorker
@@ -312,3 +314,14 @@ async def test_sim_publishes_a_long_prompts_blocks_in_one_batch_per_step(
     finally:
         sub.close(linger=0)
         await w.stop()
+
+
+def test_cli_long_prefill_token_threshold_reaches_the_engine() -> None:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["sim", "--long-prefill-token-threshold", "2048"])
+    cfg = cli.config_from_args(args)
+    assert cfg.long_prefill_token_threshold == 2048
+    assert SimWorker(cfg).engine.long_prefill_token_threshold == 2048
+    with pytest.raises(ValueError, match="long-prefill-token-threshold"):
+        cli.config_from_args(parser.parse_args(["sim", "--long-prefill-token-threshold", "-1"]))
