@@ -16,7 +16,9 @@ KINDS = {"request_headers", "request_body", "response_headers", "response_body",
 
 
 @pytest.mark.parametrize(("reference", "tls"), [(False, False), (True, False), (False, True)])
-def test_profile_reports_every_message_and_stage(tmp_path: Path, reference: bool, tls: bool) -> None:
+def test_profile_reports_every_message_and_stage(
+    tmp_path: Path, reference: bool, tls: bool
+) -> None:
     out = tmp_path / "stages.json"
     cmd = [
         sys.executable, str(ROOT / "bench" / "profile_datapath.py"), "--requests", "3",
