@@ -161,11 +161,50 @@ async def run_cell(
 
 
 class Target:
-    """A running path: the ports the client uses and the scorer's pid (for CPU)."""
+    """A running path: the ports the client uses, the scorer's pid, and every process of
+    the path whose CPU is counted per request (`procs`: name -> pid; "scorer", "envoy",
+    or "router" for a peer)."""
 
-    def __init__(self, ports: list[int], scorer_pid: int | None = None) -> None:
+    def __init__(
+        self, ports: list[int], scorer_pid: int | None = None, procs: dict[str, int] | None = None
+    ) -> None:
         self.ports = ports
         self.scorer_pid = scorer_pid
+        self.procs = procs or ({"scorer": scorer_pid} if scorer_pid else {})
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine since boot, from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+class CpuMeter:
+    """CPU seconds of named processes and the machine's busy fraction over a span: where a
+    path's requests/s go (a path that adds CPU per request on a saturated machine loses
+    throughput in proportion; one that adds none but waits does not saturate it)."""
+
+    def __init__(self, procs: dict[str, int], sims: Sequence[int]) -> None:
+        self.procs = dict(procs)
+        self.sims = list(sims)
+
+    def read(self) -> tuple[dict[str, float], tuple[int, int]]:
+        out = {n: cpu_seconds(pid) for n, pid in self.procs.items()}
+        out["sims"] = sum(cpu_seconds(pid) for pid in self.sims)
+        out["bench_client"] = cpu_seconds(os.getpid())
+        return out, machine_ticks()
+
+    @staticmethod
+    def per_request(
+        a: tuple[dict[str, float], tuple[int, int]],
+        b: tuple[dict[str, float], tuple[int, int]],
+        requests: int,
+    ) -> dict[str, float]:
+        """CPU µs per request of each process, and `machine_busy` (0-1) between a and b."""
+        out = {f"{n}_us": (b[0][n] - a[0][n]) / max(requests, 1) * 1e6 for n in a[0]}
+        busy, total = b[1][0] - a[1][0], b[1][1] - a[1][1]
+        out["machine_busy"] = busy / total if total else 0.0
+        return out
 
 
 def write_vocab_tokenizer(path: Path) -> Path:
@@ -191,14 +230,23 @@ class TokenizerScorerRun(ScorerRun):
 
 @contextlib.contextmanager
 def envoy_alone(fleet: SimFleet) -> Iterator[list[int]]:
-    """Envoy alone in front of the workers (round robin, no ext_proc): its listener port."""
+    """Envoy alone in front of the workers (round robin, no ext_proc): its listener port
+    (ENVOY_ALONE_PID[0] holds its pid while it runs, for the CPU breakdown)."""
     from scorer.envoyproc import render_envoy_config
 
     cfg = render_envoy_config(
         0, free_port(), 0, direct_backends=[s.endpoint for s in fleet.specs], direct_port=0
     )
     with EnvoyProcess(cfg, concurrency=1) as envoy:
-        yield [envoy.listener_ports["direct"]]
+        assert envoy.proc is not None
+        ENVOY_ALONE_PID[:] = [envoy.proc.pid]
+        try:
+            yield [envoy.listener_ports["direct"]]
+        finally:
+            ENVOY_ALONE_PID.clear()
+
+
+ENVOY_ALONE_PID: list[int] = []
 
 
 @contextlib.contextmanager
@@ -210,7 +258,7 @@ def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> I
         return
     if path == "envoy":
         with envoy_alone(fleet) as ports:
-            yield Target(ports)
+            yield Target(ports, procs={"envoy": ENVOY_ALONE_PID[0]})
         return
     if path.startswith("kv-scorer:"):
         _, policy, shape = path.split(":", 2)
@@ -225,14 +273,16 @@ def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> I
         run = TokenizerScorerRun(group, fleet, policy, settings)
         with run:
             assert run.scorer is not None and run.envoy is not None
-            yield Target([run.envoy.listener_port], run.scorer.pid)
+            envoy_pid = run.envoy.proc.pid if run.envoy.proc is not None else None
+            procs = {"scorer": run.scorer.pid} | ({"envoy": envoy_pid} if envoy_pid else {})
+            yield Target([run.envoy.listener_port], run.scorer.pid, procs)
         return
     if path.startswith("peer:"):
         name = path.split(":", 1)[1]
         settings = E2ESettings(workers=len(fleet.specs), block_size=16, run_dir=run_dir)
         proc, base = peer_mod.start_peer(name, group, fleet, settings)
         try:
-            yield Target([int(base.rsplit(":", 1)[1])])
+            yield Target([int(base.rsplit(":", 1)[1])], procs={"router": proc.pid})
         finally:
             group.stop(proc)
         return
@@ -283,6 +333,9 @@ class Cell:
         self.samples: list[dict[str, Any]] = []
         self.cpu: list[float | None] = []
         self.added: dict[str, list[tuple[float, float, float]]] = {}
+        # Per repeat: CPU µs per request of each process of the path, the sims, the
+        # benchmark's own client, and the machine's busy fraction (CpuMeter).
+        self.breakdown: list[dict[str, float]] = []
 
     def add(self, s: dict[str, Any], cpu: float | None, bases: dict[str, dict[str, Any]]) -> None:
         self.samples.append(s)
@@ -303,6 +356,11 @@ class Cell:
         """summarize() plus added_p50_ms / added_p99_ms / rps_ratio against each base
         (suffix `_vs_envoy` for Envoy alone; none for direct), medians over repeats."""
         out = summarize(self.samples, self.cpu)
+        if self.breakdown:
+            keys = sorted({k for b in self.breakdown for k in b})
+            out["cpu_breakdown"] = {
+                k: statistics.median(b[k] for b in self.breakdown if k in b) for k in keys
+            }
         for name, rows in self.added.items():
             sfx = "" if name == "direct" else f"_vs_{name}"
             p50s = [a for a, _, _ in rows]
@@ -320,6 +378,7 @@ def measure_once(
     seconds: float,
     baselines: dict[str, list[int]],
     cells: dict[str, Cell],
+    sims: Sequence[int] = (),
 ) -> None:
     """One repeat of every cell of one path. Each cell first runs on every baseline
     (`direct`: the workers' ports, `envoy`: Envoy alone), then on the path, seconds
@@ -330,12 +389,18 @@ def measure_once(
                 name: asyncio.run(run_cell(ports, rs, conc, seconds))
                 for name, ports in baselines.items()
             }
+            meter = CpuMeter(target.procs, sims)
             c0 = cpu_seconds(target.scorer_pid) if target.scorer_pid else None
+            m0 = meter.read()
             s = asyncio.run(run_cell(target.ports, rs, conc, seconds))
+            m1 = meter.read()
             cpu = None
             if c0 is not None and target.scorer_pid and s["lat"]:
                 cpu = (cpu_seconds(target.scorer_pid) - c0) / len(s["lat"]) * 1e6
-            cells.setdefault(f"{kind}/c{conc}", Cell()).add(s, cpu, bases)
+            cell = cells.setdefault(f"{kind}/c{conc}", Cell())
+            cell.add(s, cpu, bases)
+            if s["lat"]:
+                cell.breakdown.append(CpuMeter.per_request(m0, m1, len(s["lat"])))
 
 
 def add_deltas(results: dict[str, Any]) -> None:
@@ -383,6 +448,25 @@ def print_table(results: dict[str, Any], concs: Sequence[int], log: Callable[[st
                 f"{c.get('added_p50_ms', 0.0):>7.2f} {c.get('added_p99_ms', 0.0):>7.2f} | "
                 f"{c['rps']:>7.0f} {c['rps_spread']:>5.0f} {ratio_s:>6} | "
                 f"{cpu_s:>10}"
+            )
+    if not any(
+        c.get("cpu_breakdown") for r in results.values() for c in r.get("cells", {}).values()
+    ):
+        return
+    log("")
+    log("CPU per request (µs, median over repeats) of each process, and the machine's busy")
+    log("fraction (2 cores = 1.0) while the path ran:")
+    for path, res in results.items():
+        for key, c in res.get("cells", {}).items():
+            bd = c.get("cpu_breakdown")
+            if not bd:
+                continue
+            kind, conc = key.split("/")
+            procs = "  ".join(f"{k[:-3]} {v:.0f}" for k, v in bd.items() if k.endswith("_us"))
+            total = sum(v for k, v in bd.items() if k.endswith("_us"))
+            log(
+                f"{path:<40} {kind:>6} {conc[1:]:>4} | busy {bd['machine_busy']:.2f} | "
+                f"total {total:.0f} | {procs}"
             )
 
 
@@ -434,6 +518,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the sims' --speed (default 1e6: no model time, see the module docstring)",
     )
     ap.add_argument(
+        "--sim-nice",
+        type=int,
+        choices=range(20),
+        default=0,
+        metavar="0-19",
+        help="the sims' CPU priority (nice; default 0, the same as every router; see"
+        " `kv-scorer bench --sim-nice`)",
+    )
+    ap.add_argument(
         "--baselines",
         default="direct,envoy",
         help="run before every cell of every path: direct, and Envoy alone (added latency "
@@ -475,7 +568,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         fleet = SimFleet(
             group,
-            E2ESettings(workers=2, block_size=16, speed=args.speed, capacity_blocks=None),
+            E2ESettings(
+                workers=2,
+                block_size=16,
+                speed=args.speed,
+                capacity_blocks=None,
+                sim_nice=args.sim_nice,
+            ),
         )
         fleet.start()
         with contextlib.ExitStack() as stack:
@@ -496,12 +595,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                     bases.pop(path, None)
                     try:
                         running = (
-                            contextlib.nullcontext(Target(baselines["envoy"]))
+                            contextlib.nullcontext(
+                                Target(baselines["envoy"], procs={"envoy": ENVOY_ALONE_PID[0]})
+                            )
                             if path == "envoy" and "envoy" in baselines
                             else start_path(path, group, fleet, run_dir)
                         )
                         with running as target:
-                            measure_once(target, reqs, concs, args.seconds, bases, cells[path])
+                            measure_once(
+                                target,
+                                reqs,
+                                concs,
+                                args.seconds,
+                                bases,
+                                cells[path],
+                                [p.pid for p in fleet.procs],
+                            )
                     except peer_mod.PeerError as e:
                         msg = str(e)
                         errors[path] = (
@@ -536,6 +645,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seconds_per_repeat": args.seconds,
             "max_tokens": args.max_tokens,
             "sim_speed": args.speed,
+            "sim_nice": args.sim_nice,
             "prompt_tokens": PREFIX_LEN + SUFFIX_LEN,
             "baselines": baselines_wanted,
             "order": "repeats interleaved across paths; baselines adjacent to every cell",

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     try:
         fleet = SimFleet(
-            group, E2ESettings(workers=2, block_size=16, speed=1e6, capacity_blocks=None)
+            group,
+            E2ESettings(workers=2, block_size=16, speed=1e6, capacity_blocks=None, sim_nice=0),
         )
         fleet.start()
         backends = [s.endpoint for s in fleet.specs]

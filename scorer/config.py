@@ -356,6 +356,11 @@ class LoadConfig(Strict):
     scrape_timeout_s: float = Field(1.0, gt=0)
     # A scrape older than this is ignored (router in-flight accounting only).
     stale_after_s: float = Field(2.0, gt=0)
+    # End a routed request's prefill once the engine's counters (vLLM's TTFT histogram
+    # count and request_success) show it holds fewer requests before their first token
+    # than the router counts (scorer.pool.prefill, issue 13). Off: only finished requests
+    # correct the prefill estimate.
+    first_token_counts: bool = True
 
 
 class DecisionsConfig(Strict):

@@ -445,7 +445,8 @@ class Director:
             if known is not None and known[0] == page:
                 continue
             self._pages[ep] = (page, now)
-            n += self._scrape_correction(ep, page, w.scraped.running, w.scraped.waiting)
+            sc = w.scraped
+            n += self._scrape_correction(ep, page, sc.running, sc.waiting, sc.before_first)
         due = self._prefill_due
         while due and due[0][0] <= now:
             _, rid = heapq.heappop(due)
@@ -460,15 +461,17 @@ class Director:
             n += 1
         return n
 
-    def _scrape_correction(self, ep: str, page: int, running: float, waiting: float) -> int:
+    def _scrape_correction(
+        self, ep: str, page: int, running: float, waiting: float, before_first: float | None
+    ) -> int:
         """A new metrics page of `ep`: end the prefill of our oldest requests there that
-        the engine no longer holds."""
+        the engine no longer holds before their first token."""
         flights = self._prefilling.get(ep)
         if not flights:
             return 0
         # Routing order is page order: the requests the page must have seen come first.
         seen = sum(1 for live in flights.values() if live.routed_page + 2 <= page)
-        end, _ = scrape_correction(seen, len(flights), running, waiting)
+        end, _ = scrape_correction(seen, len(flights), running, waiting, before_first)
         for rid in list(flights)[:end]:
             self._prefill_over(rid, flights[rid])
         return end

@@ -22,6 +22,15 @@ request the engine holds, so when a page counts fewer than the requests we have 
 there that the page must have seen, the surplus has left the engine and the oldest of them
 end prefill now; and while the newest page shows W waiting requests, the W newest of ours
 there are held in prefill past their estimate (vLLM queues first come, first served).
+
+`running` counts decoding requests too, so that correction alone ends a request's prefill
+only once it has *finished*: in the lean Envoy shape (no response body to the scorer) a
+request stayed "prefilling" for its whole estimate, up to 10x its real prefill against
+fast engines (issue 13: the phantom queue moved conversations off their workers). vLLM's
+counters say exactly how many requests it holds before their first token (`before_first`,
+scorer.pool.scrape: running + waiting + finished - first tokens, the TTFT histogram's
+count), so the correction ends our oldest seen flights beyond that many, a page or two
+after their first token, whatever the engine's speed.
 """
 
 from __future__ import annotations
@@ -78,18 +87,26 @@ class PrefillModel:
 
 
 def scrape_correction(
-    seen: int, prefilling: int, running: float, waiting: float
+    seen: int,
+    prefilling: int,
+    running: float,
+    waiting: float,
+    before_first: float | None = None,
 ) -> tuple[int, int]:
     """What a fresh metrics page says about one worker's requests we count as prefilling.
 
     `prefilling`: our requests on the worker still counted as prefilling, oldest first;
     `seen`: how many of the oldest were routed before the page was requested (so the
     engine held them, unless they had finished). Returns `(end, hold)`: end the `end`
-    oldest now (the engine holds fewer requests than that many of ours: the surplus is
-    done with prefill), and do not end the `hold` newest of the rest by the estimate alone
-    (the engine says that many wait in its queue).
+    oldest now (the engine holds fewer requests than that many of ours before their
+    first token: the surplus is done with prefill), and do not end the `hold` newest of
+    the rest by the estimate alone (the engine says that many wait in its queue).
+
+    `before_first`: the requests the engine holds that have not had their first token
+    (`ScrapedLoad.before_first`, from its counters); None: every request it holds
+    (running + waiting) may still be in prefill.
     """
-    held = max(int(running + waiting), 0)
+    held = max(int(running + waiting if before_first is None else before_first), 0)
     end = min(max(seen - held, 0), prefilling)
     hold = min(max(int(waiting), 0), prefilling - end)
     return end, hold

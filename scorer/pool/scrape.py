@@ -90,6 +90,13 @@ VLLM_QUERIES = "vllm:prefix_cache_queries"
 VLLM_HITS = "vllm:prefix_cache_hits"
 SGLANG_HIT_RATE = "sglang:cache_hit_rate"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+# Requests past their first token (the TTFT histogram's count) and finished (every
+# finished_reason, abort included): with running + waiting they give the requests the
+# engine holds before their first token (ScrapedLoad.before_first). vLLM v1 observes the
+# TTFT at each request's first token and counts request_success at its end
+# (vllm/v1/metrics/loggers.py, PrometheusStatLogger).
+VLLM_FIRST_TOKENS = "vllm:time_to_first_token_seconds_count"
+VLLM_FINISHED = "vllm:request_success_total"
 _WANTED = (
     *RUNNING,
     *WAITING,
@@ -100,6 +107,8 @@ _WANTED = (
     VLLM_HITS,
     SGLANG_HIT_RATE,
     SGLANG_CAPACITY,
+    VLLM_FIRST_TOKENS,
+    VLLM_FINISHED,
 )
 
 
@@ -117,6 +126,8 @@ class ParsedMetrics:
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
     cache_hit_rate: float | None = None
+    first_tokens: float | None = None  # requests past their first token (counter)
+    finished: float | None = None  # requests finished, any reason (counter)
 
 
 # Memory per scrape is bounded: a page is read up to this size, a larger one is a bad
@@ -193,6 +204,8 @@ def parse_metrics(text: str) -> ParsedMetrics:
     waiting: list[float] = []
     usage: list[float] = []
     queries = hits = 0.0
+    firsts: float | None = None
+    done: float | None = None
     lora_at = -1.0
     for sname, labels, value in _samples(text):
         if sname.startswith("vllm:"):
@@ -220,6 +233,10 @@ def parse_metrics(text: str) -> ParsedMetrics:
             queries += value
         elif sname in (VLLM_HITS, VLLM_HITS + "_total"):
             hits += value
+        elif sname == VLLM_FIRST_TOKENS:
+            firsts = (firsts or 0.0) + value
+        elif sname == VLLM_FINISHED:
+            done = (done or 0.0) + value
         elif sname == SGLANG_HIT_RATE:
             out.cache_hit_rate = value
         elif sname == SGLANG_CAPACITY:
@@ -236,6 +253,7 @@ def parse_metrics(text: str) -> ParsedMetrics:
         out.kv_usage = u / 100.0 if u > 1.0 else u
     if queries > 0:
         out.cache_hit_rate = hits / queries
+    out.first_tokens, out.finished = firsts, done
     if out.engine is None:
         raise ValueError("no vLLM or SGLang load metric on the page")
     return out
@@ -368,6 +386,20 @@ class LoadScraper:
         sc.lora_running = parsed.lora_running
         sc.lora_waiting = parsed.lora_waiting
         sc.cache_hit_rate = parsed.cache_hit_rate
+        sc.before_first = None
+        if (
+            self.config.load.first_token_counts
+            and parsed.first_tokens is not None
+            and parsed.finished is not None
+        ):
+            # Every request the engine has seen is finished, still held or past its first
+            # token: held ones before it = held + finished - first tokens. A request aborted
+            # before its first token counts one too many from then on: bounded by what the
+            # engine holds, it can only make the correction wait (the old rule's bound).
+            held = sc.running + sc.waiting
+            bf = held + parsed.finished - parsed.first_tokens
+            if math.isfinite(bf):  # a counter page of +Inf / NaN says nothing
+                sc.before_first = min(max(bf, sc.waiting), held)
         expected = self.config.pool.block_size
         if parsed.block_size is not None:
             sc.block_size = parsed.block_size
@@ -440,6 +472,7 @@ class LoadScraper:
                         "lora_running": sc.lora_running,
                         "lora_waiting": sc.lora_waiting,
                         "cache_hit_rate": sc.cache_hit_rate,
+                        "before_first": sc.before_first,
                         "error": sc.error,
                         "consecutive_failures": sc.failures,
                         "attempts": sc.attempts,

@@ -52,6 +52,9 @@ class ScrapedLoad:
     lora_running: list[str] = field(default_factory=list)
     lora_waiting: list[str] = field(default_factory=list)
     cache_hit_rate: float | None = None  # SGLang's gauge, or vLLM hits/queries counters
+    # Requests the engine holds that have not had their first token (vLLM's counters:
+    # running + waiting + finished - first tokens; load.first_token_counts); None: unknown.
+    before_first: float | None = None
     attempts: int = 0  # scrapes tried (success or not)
     # Good pages applied. Scrapes of a worker run one after another, so page p + 2 was
     # requested after page p was applied: the director orders pages against routing by it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,3 +73,25 @@ def test_sims_get_the_stream_interval_of_the_settings(tmp_path: Path) -> None:
         i = argv.index("--stream-interval")
         assert argv[i + 1] == str(interval)
     assert E2ESettings().stream_interval == 8
+
+
+def test_sims_run_at_the_nice_value_of_the_settings(tmp_path: Path) -> None:
+    # The sims stand in for GPU engines: below the routers' CPU priority by default, at
+    # theirs with sim_nice=0. The value must reach the sim process (and its threads).
+    assert E2ESettings().sim_nice == 10
+    group = ProcGroup(tmp_path / "logs")
+    try:
+        for nice in (7, 0):
+            settings = E2ESettings(
+                workers=1, capacity_blocks=64, block_size=16, run_dir=tmp_path, sim_nice=nice
+            )
+            fleet = SimFleet(group, settings)
+            fleet.start(timeout_s=60.0)
+            pid = fleet.procs[0].pid
+            own = os.getpriority(os.PRIO_PROCESS, 0)
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                assert int(stat.rsplit(")", 1)[1].split()[16]) == own + nice
+            group.stop_all()
+    finally:
+        group.stop_all()

@@ -54,3 +54,26 @@ def test_a_path_that_fails_every_request_has_no_added_figures() -> None:
     lines: list[str] = []
     bo.print_table({"peer:x": {"cells": {"ids/c1": out}}}, [1], lines.append)
     assert "every request failed (HTTP 422)" in lines[-1]
+
+
+def test_cpu_breakdown_is_per_request_and_the_median_over_repeats() -> None:
+    bo = load()
+    a = ({"scorer": 1.0, "envoy": 2.0, "sims": 3.0}, (100, 1000))
+    b = ({"scorer": 1.03, "envoy": 2.01, "sims": 3.09}, (850, 2000))
+    got = bo.CpuMeter.per_request(a, b, 100)
+    assert abs(got["scorer_us"] - 300.0) < 1e-6 and abs(got["envoy_us"] - 100.0) < 1e-6
+    assert abs(got["sims_us"] - 900.0) < 1e-6 and abs(got["machine_busy"] - 0.75) < 1e-9
+    cell = bo.Cell()
+    for scorer_us in (300.0, 100.0, 200.0):
+        cell.add(sample(11.0), scorer_us, {})
+        cell.breakdown.append({"scorer_us": scorer_us, "machine_busy": 0.5})
+    out = cell.result()
+    assert out["cpu_breakdown"] == {"machine_busy": 0.5, "scorer_us": 200.0}
+    lines: list[str] = []
+    bo.print_table({"kv-scorer:kv:local": {"cells": {"ids/c8": out}}}, [8], lines.append)
+    assert "busy 0.50 | total 200 | scorer 200" in lines[-1]
+
+
+def test_machine_ticks_count_busy_within_total() -> None:
+    busy, total = load().machine_ticks()
+    assert 0 < busy < total

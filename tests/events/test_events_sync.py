@@ -46,6 +46,25 @@ def matched(ing: EventIngest) -> int:
     return m.blocks if m else 0
 
 
+class Running:
+    """An EventIngest on `pub`: started on enter; on exit stopped, and the publisher closed
+    (the one in `pub` then: a restart test swaps in the new engine's)."""
+
+    def __init__(self, pub: Publisher) -> None:
+        self.pub = pub
+        self.ing = ingest(pub)
+
+    async def __aenter__(self) -> Running:
+        await self.ing.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.ing.stop()
+        finally:
+            await self.pub.close()
+
+
 async def chain(pub: Publisher, n: int, send: bool = True) -> None:
     """Publish blocks 0..n-1 of the chain, one message each."""
     for i in range(n):
@@ -57,9 +76,9 @@ async def test_scorer_started_next_to_a_warm_worker_knows_its_cache(
 ) -> None:
     pub = Publisher(ctx)
     await chain(pub, 5, send=False)  # the worker's cache before the scorer starts
-    ing = ingest(pub)
-    await ing.start()
-    try:
+    r = Running(pub)
+    ing = r.ing
+    async with r:
         sub = ing.subscribers[EP]
         await until(lambda: matched(ing) == 5)  # from the replay buffer alone
         assert sub.stats.syncs == {"ok": 1} and sub.stats.warm_messages == 5
@@ -69,9 +88,6 @@ async def test_scorer_started_next_to_a_warm_worker_knows_its_cache(
         await until(lambda: matched(ing) == 6)
         assert sub.stats.purges == {} and sub.stats.gaps == 0
         assert sub.stats.last_seq == {0: 5}
-    finally:
-        await ing.stop()
-        await pub.close()
 
 
 async def _restart(ctx: zmq.asyncio.Context, old: Publisher) -> Publisher:
@@ -91,14 +107,14 @@ async def test_restarted_engine_that_has_not_published_drops_the_old_blocks(
     ctx: zmq.asyncio.Context,
 ) -> None:
     pub = Publisher(ctx)
-    ing = ingest(pub)
-    await ing.start()
-    try:
+    r = Running(pub)
+    ing = r.ing
+    async with r:
         await pub.wait_subscribed()
         await chain(pub, 4)
         await until(lambda: matched(ing) == 4)
         sub = ing.subscribers[EP]
-        pub = await _restart(ctx, pub)
+        pub = r.pub = await _restart(ctx, pub)
         # No event from the new engine: the sync on reconnection sees its empty buffer.
         await until(lambda: matched(ing) == 0)
         assert sub.stats.purges == {"restart": 1}
@@ -106,32 +122,26 @@ async def test_restarted_engine_that_has_not_published_drops_the_old_blocks(
         await pub.publish([stored([900], None, blk(0))])  # the new engine's seq 0
         await until(lambda: matched(ing) == 1)
         assert sub.stats.purges == {"restart": 1}
-    finally:
-        await ing.stop()
-        await pub.close()
 
 
 async def test_restarted_engine_that_published_past_our_seq_is_detected(
     ctx: zmq.asyncio.Context,
 ) -> None:
     pub = Publisher(ctx)
-    ing = ingest(pub)
-    await ing.start()
-    try:
+    r = Running(pub)
+    ing = r.ing
+    async with r:
         await pub.wait_subscribed()
         await chain(pub, 2)
         await until(lambda: matched(ing) == 2)
         sub = ing.subscribers[EP]
-        pub = await _restart(ctx, pub)
+        pub = r.pub = await _restart(ctx, pub)
         # The new engine got further than the old one before we reconnected: same seqs,
         # other batches (timestamps), other blocks.
         for i in range(3):
             await pub.publish([stored([700 + i], 700 + i - 1 if i else None, blk(i))], send=False)
         await until(lambda: sub.stats.purges.get("restart") == 1 and matched(ing) == 3)
         assert ing.index.lookup_engine(EP, 0, 100) is None  # the old engine's blocks are gone
-    finally:
-        await ing.stop()
-        await pub.close()
 
 
 async def test_scorer_started_after_a_reset_skips_the_history_before_it(
@@ -147,11 +157,11 @@ async def test_scorer_started_after_a_reset_skips_the_history_before_it(
     await pub.publish([removed([100])], send=False)
     await pub.publish([stored([103], 102, blk(3)), cleared()], send=False)  # the reset
     await pub.publish([stored([200], None, blk(0))], send=False)  # this run's first store
-    ing = ingest(pub)
+    r = Running(pub)
+    ing = r.ing
     # Routed before the sync: blocks 0-5 on their way to the worker.
     ing.index.insert_speculative(EP, KEYS[:6], ttl_s=60.0)
-    await ing.start()
-    try:
+    async with r:
         sub = ing.subscribers[EP]
         await until(lambda: sub.stats.syncs != {})
         assert sub.stats.syncs == {"ok": 1}
@@ -165,9 +175,6 @@ async def test_scorer_started_after_a_reset_skips_the_history_before_it(
         await pub.publish([stored([201], 200, blk(1))])
         await until(lambda: ing.index.stats(EP)["speculative"] == 4)
         assert sub.stats.gaps == 0 and sub.stats.last_seq == {0: 6}
-    finally:
-        await ing.stop()
-        await pub.close()
 
 
 async def test_buffer_ending_in_a_clear_leaves_the_stream_at_its_last_seq(
@@ -176,9 +183,9 @@ async def test_buffer_ending_in_a_clear_leaves_the_stream_at_its_last_seq(
     pub = Publisher(ctx)
     await chain(pub, 2, send=False)
     await pub.publish([cleared()], send=False)
-    ing = ingest(pub)
-    await ing.start()
-    try:
+    r = Running(pub)
+    ing = r.ing
+    async with r:
         sub = ing.subscribers[EP]
         await until(lambda: sub.stats.syncs != {})
         assert sub.stats.sync_skipped == 3 and sub.stats.warm_messages == 0
@@ -187,9 +194,6 @@ async def test_buffer_ending_in_a_clear_leaves_the_stream_at_its_last_seq(
         await pub.publish([stored([300], None, blk(0))])
         await until(lambda: matched(ing) == 1)
         assert sub.stats.gaps == 0 and sub.stats.replays == {}
-    finally:
-        await ing.stop()
-        await pub.close()
 
 
 async def test_replay_cut_by_the_routers_hwm_is_requested_again_from_the_hole(
@@ -200,18 +204,15 @@ async def test_replay_cut_by_the_routers_hwm_is_requested_again_from_the_hole(
     pub = Publisher(ctx)
     pub.reply_limit = 3
     await chain(pub, 8, send=False)
-    ing = ingest(pub)
+    r = Running(pub)
+    ing = r.ing
     ing.config.events.replay_timeout_s = 0.2  # each cut round ends in this much silence
-    await ing.start()
-    try:
+    async with r:
         sub = ing.subscribers[EP]
         await until(lambda: sub.stats.syncs != {})
         assert sub.stats.syncs == {"ok": 1} and sub.stats.warm_messages == 8
         assert pub.replay_requests == [0, 3, 6]
         assert matched(ing) == 8 and sub.stats.last_seq == {0: 7}
-    finally:
-        await ing.stop()
-        await pub.close()
 
 
 async def test_sync_applies_a_long_buffer_in_bursts(ctx: zmq.asyncio.Context) -> None:
@@ -300,9 +301,9 @@ async def test_a_reconnect_sync_asks_from_the_last_seq_applied(
     """A worker we follow is asked from our last seq, not its whole buffer again (the
     lock live messages wait on is held for what we missed only)."""
     pub = Publisher(ctx)
-    ing = ingest(pub)
-    await ing.start()
-    try:
+    r = Running(pub)
+    ing = r.ing
+    async with r:
         await pub.wait_subscribed()
         await chain(pub, 4)
         await until(lambda: matched(ing) == 4)
@@ -314,6 +315,3 @@ async def test_a_reconnect_sync_asks_from_the_last_seq_applied(
         assert pub.replay_requests[-1] == 3
         assert matched(ing) == 6 and sub.stats.last_seq == {0: 5}
         assert sub.stats.purges == {} and sub.stats.syncs == {"ok": 2}
-    finally:
-        await ing.stop()
-        await pub.close()

@@ -135,22 +135,24 @@ async def start_pod_backend(ip: str, port: int) -> PodBackend:
     return b
 
 
-def free_port_on(ips: list[str]) -> int:
-    """A port free on every one of these loopback addresses (chosen at run time)."""
+def hold_port_on(ips: list[str]) -> list[socket.socket]:
+    """One port, chosen at run time, held bound and not listening on every one of these
+    loopback addresses (tests/ports.py: bound with SO_REUSEADDR, so a pod's server can
+    still listen on it, and no port-0 bind is handed it meanwhile). Close them at the end."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind((ips[0], 0))
-            port = int(s.getsockname()[1])
-        ok = True
-        for ip in ips[1:]:
-            with socket.socket() as s:
-                try:
-                    s.bind((ip, port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return port
+        held: list[socket.socket] = []
+        port = 0
+        try:
+            for ip in ips:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((ip, port))
+                port = int(s.getsockname()[1])
+            return held
+        except OSError:
+            for s in held:
+                s.close()
     raise RuntimeError("no common free port")
 
 
@@ -265,7 +267,8 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
     ips = [f"127.0.0.{i}" for i in range(2, 14)]
     api = FakeKubeAPI()
     await api.start()
-    w = World(api, tmp_path, free_port_on(ips))
+    held = hold_port_on(ips)
+    w = World(api, tmp_path, int(held[0].getsockname()[1]))
     w.ips = ips  # type: ignore[attr-defined]
     config = load_config(
         overrides={
@@ -302,6 +305,8 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
         for b in w.backends.values():
             await b.runner.cleanup()
         await api.stop()
+        for h in held:
+            h.close()
 
 
 async def test_no_request_leaves_the_ready_pods_of_the_pool(world: World) -> None:

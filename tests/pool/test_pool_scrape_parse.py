@@ -26,6 +26,8 @@ def reference_parse(text: str) -> ParsedMetrics:
     waiting: list[float] = []
     usage: list[float] = []
     queries = hits = 0.0
+    firsts: float | None = None
+    done: float | None = None
     lora_at = -1.0
     for fam in text_string_to_metric_families("\n".join([*keep, ""])):
         for s in fam.samples:
@@ -51,6 +53,10 @@ def reference_parse(text: str) -> ParsedMetrics:
                 queries += s.value
             elif s.name in (scrape.VLLM_HITS, scrape.VLLM_HITS + "_total"):
                 hits += s.value
+            elif s.name == scrape.VLLM_FIRST_TOKENS:
+                firsts = (firsts or 0.0) + s.value
+            elif s.name == scrape.VLLM_FINISHED:
+                done = (done or 0.0) + s.value
             elif s.name == scrape.SGLANG_HIT_RATE:
                 out.cache_hit_rate = s.value
             elif s.name == scrape.SGLANG_CAPACITY:
@@ -67,6 +73,7 @@ def reference_parse(text: str) -> ParsedMetrics:
         out.kv_usage = u / 100.0 if u > 1.0 else u
     if queries > 0:
         out.cache_hit_rate = hits / queries
+    out.first_tokens, out.finished = firsts, done
     if out.engine is None:
         raise ValueError("no engine metric")
     return out
@@ -85,6 +92,10 @@ NAMES = [
     scrape.SGLANG_CAPACITY,
     "vllm:num_requests_running_extra",  # a longer name sharing a wanted prefix
     "vllm:time_to_first_token_seconds_bucket",
+    scrape.VLLM_FIRST_TOKENS,
+    "vllm:time_to_first_token_seconds_sum",
+    scrape.VLLM_FINISHED,
+    "vllm:request_success_created",
     "process_cpu_seconds_total",
 ]
 LABEL_NAMES = [
@@ -143,6 +154,8 @@ def same(a: ParsedMetrics, b: ParsedMetrics) -> bool:
                 tuple(p.lora_running),
                 tuple(p.lora_waiting),
                 p.cache_hit_rate,
+                p.first_tokens,
+                p.finished,
             )
         )
 

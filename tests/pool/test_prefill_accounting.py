@@ -179,3 +179,73 @@ def test_a_stale_page_holds_nothing() -> None:
     # No page since for longer than load.stale_after_s: the estimate alone decides.
     clock.t += d.config.load.stale_after_s + 1.0
     assert d.expire_prefill() == 1 and prefilling(d) == []
+
+
+# -- vLLM's counters say how many it holds before the first token (issue 13) -------------
+
+
+def test_scrape_correction_counts_only_requests_before_their_first_token() -> None:
+    # Two held, both decoding (before_first 0): the seen ones are past prefill.
+    assert scrape_correction(seen=2, prefilling=2, running=2, waiting=0, before_first=0) == (2, 0)
+    # One of the two still prefilling: the older is done (first come, first served).
+    assert scrape_correction(seen=2, prefilling=3, running=2, waiting=0, before_first=1) == (1, 0)
+    # Unknown (SGLang, or the option off): every held request may be prefilling.
+    assert scrape_correction(seen=2, prefilling=2, running=2, waiting=0) == (0, 0)
+
+
+def counters_page(
+    d: Director, running: float, waiting: float, firsts: float, finished: float
+) -> None:
+    """A metrics page with vLLM's first-token and finished counters."""
+    scraper = LoadScraper(d.config, d.pool)
+    w = d.pool.get(EP)
+    assert w is not None
+    scraper.apply(
+        w,
+        ParsedMetrics(
+            engine="vllm", running=running, waiting=waiting, first_tokens=firsts, finished=finished
+        ),
+    )
+
+
+def test_first_token_counts_end_prefill_of_requests_that_now_decode() -> None:
+    d, _clock = director()
+    counters_page(d, 0, 0, firsts=10, finished=10)
+    for rid in ("a", "b", "c"):
+        route(d, rid, stream=False)
+    counters_page(d, 3, 0, firsts=10, finished=10)  # maybe requested before the routing
+    assert d.expire_prefill() == 0
+    # All three running; two have had their first token (12 - 10): a and b decode.
+    counters_page(d, 3, 0, firsts=12, finished=10)
+    w = d.pool.get(EP)
+    assert w is not None and w.scraped.before_first == 1
+    assert d.expire_prefill() == 2 and prefilling(d) == ["c"]
+    # The running count alone (the old rule) would have ended none: all three are held.
+    d2, _ = director()
+    page(d2, 0, 0)
+    for rid in ("a", "b", "c"):
+        route(d2, rid, stream=False)
+    page(d2, 3, 0)
+    page(d2, 3, 0)
+    assert d2.expire_prefill() == 0 and prefilling(d2) == ["a", "b", "c"]
+
+
+def test_before_first_is_bounded_by_what_the_engine_holds() -> None:
+    d, _clock = director()
+    w = d.pool.get(EP)
+    assert w is not None
+    # An abort before the first token (finished, never a first token) is bounded by held.
+    counters_page(d, 1, 1, firsts=3, finished=9)
+    assert w.scraped.before_first == 2
+    # Waiting requests are before their first token whatever the counters say.
+    counters_page(d, 0, 2, firsts=9, finished=3)
+    assert w.scraped.before_first == 2
+    # A page whose counters are not finite says nothing.
+    counters_page(d, 1, 0, firsts=float("inf"), finished=float("inf"))
+    assert w.scraped.before_first is None
+    # Without the counters (SGLang) or with the option off: unknown.
+    page(d, 1, 0)
+    assert w.scraped.before_first is None
+    d.config.load.first_token_counts = False
+    counters_page(d, 1, 0, firsts=3, finished=3)
+    assert w.scraped.before_first is None

@@ -116,6 +116,16 @@ def register(subparsers: Any) -> None:
         " 8 cuts the sims' CPU ~3x so the routers get the cores; 1 = a chunk per token",
     )
     p.add_argument(
+        "--sim-nice",
+        type=int,
+        choices=range(20),
+        default=10,
+        metavar="0-19",
+        help="e2e: the sims' CPU priority (nice); they stand in for GPU engines, which do not"
+        " take a router's CPU in a deployment, so the routers (ours and the peers alike, at"
+        " 0) get the shared cores first; 0 = same priority as the routers (default 10)",
+    )
+    p.add_argument(
         "--policy-config",
         default=None,
         help="YAML/JSON file of policy options by name ({kv: {prefill_load_scale: 2}})",
@@ -187,6 +197,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "max_requests": args.max_requests,
         "max_num_seqs": args.max_num_seqs,
         "sim_stream_interval": args.sim_stream_interval,
+        "sim_nice": args.sim_nice,
         "policy_options": args.policy_options,
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
@@ -286,6 +297,7 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
             speed=args.time_scale,
             max_num_seqs=args.max_num_seqs,
             stream_interval=args.sim_stream_interval,
+            sim_nice=args.sim_nice,
             seed=args.seed,
             concurrency=args.concurrency,
             policy_options=args.policy_options,

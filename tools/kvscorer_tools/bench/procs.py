@@ -123,9 +123,17 @@ class ProcGroup:
         self._files: list[IO[bytes]] = []
         self._starts: dict[str, int] = {}
 
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        nice: int = 0,
+    ) -> Proc:
         """Start `argv` with stdout+stderr to LOG_DIR/NAME.log (NAME.N.log for the Nth start
-        of one name: a restarted process gets a fresh log, which readers parse)."""
+        of one name: a restarted process gets a fresh log, which readers parse). `nice` > 0
+        lowers its CPU priority (os.nice in the child before exec, so every thread it
+        starts inherits it)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         n = self._starts[name] = self._starts.get(name, 0) + 1
         log = self.log_dir / (f"{name}.log" if n == 1 else f"{name}.{n}.log")
@@ -143,6 +151,7 @@ class ProcGroup:
             env=full_env,
             # Own session: a Ctrl-C in the terminal reaches only us; we stop the children.
             start_new_session=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice > 0 else None,
         )
         p = Proc(name, popen, log)
         self.procs.append(p)

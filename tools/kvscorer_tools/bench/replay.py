@@ -6,17 +6,22 @@ simulated worker's engine (`kvscorer_tools.sim.engine.Engine`), over the same
 `kvscorer_tools.sim.cache.PrefixCache` (capacity, pinning, LRU eviction, hit counters) and
 `kvscorer_tools.sim.timing.TimingModel`:
 
-* a step schedules waiting requests FIFO (never skipping the head) while fewer than
-  `max_num_seqs` run, their uncached prompt tokens fit `max_num_batched_tokens` (the first
-  always does) and the KV pool can hold their blocks (full prompt blocks, cached or new,
-  plus anonymous blocks for the partial last block and every output token, reserved up
-  front); it lasts `prefill_ms(uncached tokens of the step) + decode_ms_per_token(batch)`;
-* the hit is the longest cached prefix of full blocks, capped so that one prompt token is
-  computed (as vLLM does); queries and hits are counted in tokens when a request is
-  scheduled (`vllm:prefix_cache_queries` / `_hits`);
-* every scheduled request gets one token per step; a new request's first token ends its
-  TTFT; a request that has all its output tokens finishes and unpins its blocks (tail
-  first); consecutive decode-only steps with nothing to change are one event;
+* a step is scheduled by the simulated worker's own function
+  (`kvscorer_tools.sim.scheduler.schedule_step`, vLLM v1's chunked prefill): a budget of
+  `max_num_batched_tokens` tokens, running requests first (1 token per decode, the next
+  chunk of an unfinished prompt), then waiting requests FIFO (never skipping the head)
+  while fewer than `max_num_seqs` run and the KV pool can hold their blocks (full prompt
+  blocks, cached or new, plus anonymous blocks for the partial last block and every
+  output token, reserved up front); a long prompt is prefilled over several steps, its
+  full blocks stored (and fed to the index) chunk by chunk; a step lasts
+  `prefill_ms(prompt tokens of the step) + decode_ms_per_token(decodes of the step)`;
+* the hit is the longest cached prefix of full blocks at admission, capped so that one
+  prompt token is computed (as vLLM does); queries and hits are counted in tokens when a
+  request is admitted (`vllm:prefix_cache_queries` / `_hits`);
+* the step that computes a prompt's last chunk gives its first token (TTFT), every
+  scheduled decode one token; a request that has all its output tokens finishes and
+  unpins its blocks (tail first); consecutive decode-only steps with nothing to change
+  are one event;
 * a request whose blocks exceed the worker's KV pool is rejected (an error).
 
 The routing side is the real one: `scorer.policy.build_policy` with a real `Pool`,
@@ -48,7 +53,7 @@ import numpy as np
 
 from kvscorer_tools.bench.workloads import Workload
 from kvscorer_tools.sim.cache import PrefixCache
-from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.scheduler import Admission, Progress, release, schedule_step
 from kvscorer_tools.sim.timing import TimingModel
 from scorer.blocks import BlockHasher
 from scorer.config import Config
@@ -72,8 +77,10 @@ class ReplaySettings:
     capacity_blocks: int | None = 1000  # per worker; None = unbounded
     block_size: int = 512
     max_num_seqs: int = 256  # vLLM's default for a GPU (SchedulerConfig.max_num_seqs)
-    # Prompt tokens prefilled per engine step (the first request of a step always fits).
+    # Token budget of an engine step (decodes + prompt chunks; vLLM's chunked prefill).
     max_num_batched_tokens: int = 8192
+    # vLLM's long_prefill_token_threshold: most prompt tokens per request per step (0: no cap).
+    long_prefill_token_threshold: int = 0
     seed: int = 0
     scrape_interval_s: float = 0.2  # like config load.scrape_interval_s
     event_delay_s: float = 0.0  # store/evict → index latency (simulated seconds)
@@ -153,10 +160,11 @@ class _Req:
     first: float = -1.0
     done: float = -1.0
     remaining: int = 0
-    admitted: float = -1.0  # start of its prefill step (queue = admitted - arrival)
+    admitted: float = -1.0  # start of its first prefill step (queue = admitted - arrival)
     # On arrival: requests already waiting there, and whether a prefill step was running.
     ahead: int = 0
     in_prefill: bool = False
+    progress: Progress | None = None  # the scheduler's (computed tokens, blocks)
 
 
 def _request_keys(r: _Req) -> list[int]:
@@ -171,8 +179,10 @@ class _SimWorker:
         self.endpoint = endpoint
         self.cache = PrefixCache(capacity, sim.settings.block_size, on_evict=self._evicted)
         self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []  # scheduled: decoding, or prefilling this step
-        self.admitted: list[_Req] = []  # prefilled in the current step
+        self.running: list[_Req] = []  # admitted: prefilling or decoding, admission order
+        self.out: list[_Req] = []  # get a token at the end of the current step
+        self.first: list[_Req] = []  # of which: their prompt finished in this step
+        self.prefilling = False  # the current step computes prompt tokens
         self.step_start = 0.0
         self.step_s = 0.0  # duration of one step of the current run
         self.steps = 0  # steps in the current run (decode-only runs may be > 1)
@@ -193,11 +203,11 @@ class _SimWorker:
             self.sim.error(r, now)
             return
         r.ahead = len(self.waiting)
-        r.in_prefill = bool(self.admitted)
+        r.in_prefill = self.prefilling
         self.waiting.append(r)
         if self.step_end < 0:
             self.start_step(now)
-        elif not self.admitted and self.steps > 1:
+        elif not self.prefilling and self.steps > 1:
             # Cut a multi-step decode run at the next step boundary so the scheduler
             # can look at the new request there (as the real engine loop would).
             done = math.floor((now - self.step_start) / self.step_s + 1e-12)
@@ -209,60 +219,64 @@ class _SimWorker:
     def step_done(self, now: float) -> None:
         """The current step (or run of decode steps) has ended at `now`."""
         self.step_end = -1.0
-        for r in self.admitted:
-            r.first = now  # the prefill step produced the first token
+        for r in self.first:
+            r.first = now  # the step that finished the prompt produced the first token
             self.sim.tracker_first_byte(r)
-        self.admitted = []
-        still = []
-        for r in self.running:
+        done = set()
+        for r in self.out:
             r.remaining -= self.steps
             if r.remaining <= 0:
                 self.finish(r, now)
-            else:
-                still.append(r)
-        self.running = still
+                done.add(r.idx)
+        if done:
+            self.running = [r for r in self.running if r.idx not in done]
+        self.out = []
+        self.first = []
+        self.prefilling = False
         self.start_step(now)
 
     def finish(self, r: _Req, now: float) -> None:
         r.done = now
-        self.cache.release(r.keys, r.extra_blocks)
+        release(self.cache, r)
         self.sim.tracker_finished(r)
 
     def start_step(self, now: float) -> None:
-        """Schedule the next engine step (admission: `kvscorer_tools.sim.scheduler`, as the sim)."""
+        """Schedule the next engine step (`kvscorer_tools.sim.scheduler`, as the sim)."""
         st = self.sim.settings
         step = schedule_step(
             self.waiting,
-            len(self.running),
+            self.running,
             self.cache,
             max_num_seqs=st.max_num_seqs,
             max_num_batched_tokens=st.max_num_batched_tokens,
+            long_prefill_token_threshold=st.long_prefill_token_threshold,
             block_keys=_request_keys,
             on_admit=self._admitted,
+            on_store=self._stored,
         )
-        admitted = [a.request for a in step.admitted]
-        budget = step.prefill_tokens
-        decoding = len(self.running)
-        if not admitted and not decoding:
+        if step.empty:
             return  # idle (a blocked head cannot happen with nothing running)
+        self.running.extend(a.request for a in step.admitted)
         timing = st.timing
         self.step_start = now
-        if admitted:
-            self.admitted = admitted
-            self.running.extend(admitted)
-            self.step_s = timing.step_ms(budget, decoding) / 1000.0
+        self.out = step.tokens_out
+        self.first = step.first
+        self.prefilling = bool(step.chunks)
+        if step.chunks or len(step.decodes) < len(self.running):
+            self.step_s = timing.step_ms(step.prefill_tokens, len(step.decodes)) / 1000.0
             self.steps = 1
         else:
-            # Nothing changes until the first running request finishes: one event.
-            self.step_s = timing.decode_ms_per_token(decoding) / 1000.0
+            # Every running request decodes; nothing changes until the first finishes.
+            self.step_s = timing.decode_ms_per_token(len(step.decodes)) / 1000.0
             self.steps = max(min(r.remaining for r in self.running), 1)
         self._schedule(now + self.steps * self.step_s)
 
     def _admitted(self, a: Admission[_Req]) -> None:
-        if a.stored:
-            self.sim.feed_store(self.endpoint, a.stored)
         a.request.remaining = a.request.output_tokens
         a.request.admitted = self.sim.now
+
+    def _stored(self, r: _Req, keys: list[int]) -> None:
+        self.sim.feed_store(self.endpoint, keys)
 
     def _schedule(self, end: float) -> None:
         self.step_end = end

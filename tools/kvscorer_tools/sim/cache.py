@@ -127,6 +127,8 @@ class PrefixCache:
         # Evictable blocks, least recently freed first.
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._anon = 0
+        # Blocks promised to running requests (chunked prefill), not taken from the pool yet.
+        self._reserved = 0
         # Counters in tokens, as vLLM's vllm:prefix_cache_queries / _hits count them.
         self.queries_tokens = 0
         self.hits_tokens = 0
@@ -148,9 +150,15 @@ class PrefixCache:
         return len(self._refs) - len(self._lru) + self._anon
 
     @property
+    def reserved_blocks(self) -> int:
+        """Blocks promised to running requests and not allocated yet (`start`)."""
+        return self._reserved
+
+    @property
     def free_blocks(self) -> int:
-        """Blocks a new request may take: never used plus evictable (vLLM's free queue)."""
-        return self.capacity_blocks - self.pinned_blocks
+        """Blocks a new request may take: never used plus evictable (vLLM's free queue),
+        less the blocks promised to running requests."""
+        return self.capacity_blocks - self.pinned_blocks - self._reserved
 
     @property
     def usage(self) -> float:
@@ -197,7 +205,96 @@ class PrefixCache:
         own_evictable = sum(1 for h in uniq if h in self._lru)
         return need <= self.free_blocks - own_evictable
 
+    def can_start(self, hashes: Sequence[int], matched: int, extra_blocks: int = 0) -> bool:
+        """True when `start(hashes, matched, extra_blocks)` would succeed now."""
+        need = len(hashes) - matched + max(extra_blocks, 0)
+        # Evictable blocks this request would itself pin cannot make room for it.
+        own_evictable = sum(1 for h in _unique(hashes[:matched]) if h in self._lru)
+        return need <= self.free_blocks - own_evictable
+
     # --- mutations -------------------------------------------------------------------
+
+    def start(self, hashes: Sequence[int], matched: int, extra_blocks: int = 0) -> int:
+        """Admit a request with chunked prefill: pin its cached prefix `hashes[:matched]`
+        and reserve one block for each other key and each extra block; returns the number
+        reserved. Blocks come out of the reservation with `commit`
+        as the request's chunks are scheduled. Raises `CacheFullError` (changing nothing)
+        when the request cannot fit.
+        """
+        if not self.can_start(hashes, matched, extra_blocks):
+            raise CacheFullError(
+                f"need {len(hashes) - matched + max(extra_blocks, 0)} blocks, "
+                f"{self.free_blocks} free of {self.capacity_blocks}"
+            )
+        for h in hashes[:matched]:
+            self._pin(h)
+        reserved = len(hashes) - matched + max(extra_blocks, 0)
+        self._reserved += reserved
+        return reserved
+
+    def commit(self, hashes: Sequence[int], extra_blocks: int = 0) -> list[int]:
+        """Cache the blocks a scheduled chunk fills, one reserved block each, and take
+        `extra_blocks` reserved blocks as anonymous ones (a prompt's last chunk: partial
+        block and output); returns the newly stored hashes (for `BlockStored`).
+
+        A hash already cached (another request computed it meanwhile) is pinned instead.
+        New blocks come from the pool, evicting least recently freed blocks when it is full
+        (reported via `on_evict` and `last_evicted`, before the store), as vLLM allocates a
+        chunk's blocks before `cache_blocks` stores them.
+        """
+        fresh: dict[int, None] = {}
+        for h in hashes:  # pin what is cached first so eviction cannot take it
+            if h in self._refs:
+                self._pin(h)
+            else:
+                fresh[h] = None
+        extra = max(extra_blocks, 0)
+        self._reserved -= len(hashes) + extra
+        self._make_room(len(fresh) + extra)
+        for h in hashes:
+            if h in fresh and h not in self._refs:
+                self._refs[h] = 1
+            elif h in fresh:
+                self._refs[h] += 1  # the same block twice in one chunk
+        self._anon += extra
+        return list(fresh)
+
+    def release_blocks(
+        self, hashes: Sequence[int], extra_blocks: int = 0, reserved: int = 0
+    ) -> None:
+        """Unpin what `start`/`commit` gave a request: one reference per
+        key of `hashes` (tail first, vLLM `free_blocks`), `extra_blocks` anonymous blocks
+        and `reserved` unused reserved blocks."""
+        for h in reversed(hashes):
+            refs = self._refs.get(h)
+            if refs is None or refs == 0:
+                continue  # not pinned: nothing to release (e.g. after a reset)
+            refs -= 1
+            self._refs[h] = refs
+            if refs == 0:
+                self._lru[h] = None
+        self._anon = max(self._anon - max(extra_blocks, 0), 0)
+        self._reserved = max(self._reserved - max(reserved, 0), 0)
+
+    def _pin(self, h: int) -> None:
+        if self._refs[h] == 0:
+            del self._lru[h]
+        self._refs[h] += 1
+
+    def _make_room(self, n: int) -> None:
+        # Evict least recently freed blocks until `n` more fit in the pool.
+        overflow = len(self._refs) + self._anon + n - self.capacity_blocks
+        evicted: list[int] = []
+        while overflow > 0:
+            victim, _ = self._lru.popitem(last=False)
+            del self._refs[victim]
+            evicted.append(victim)
+            overflow -= 1
+        self.last_evicted = evicted
+        if evicted:
+            self.evictions += len(evicted)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
 
     def admit(self, hashes: Sequence[int], extra_blocks: int = 0) -> list[int]:
         """Pin the blocks of a request that starts running; returns newly stored hashes.
@@ -256,9 +353,10 @@ class PrefixCache:
     def reset(self) -> bool:
         """Drop every cached block, as vLLM's reset_prefix_cache.
 
-        Like vLLM, refuses (returns False, changes nothing) while any block is pinned.
+        Like vLLM, refuses (returns False, changes nothing) while any block is pinned or
+        reserved (a request is running).
         """
-        if self.pinned_blocks > 0:
+        if self.pinned_blocks > 0 or self._reserved > 0:
             return False
         self._refs.clear()
         self._lru.clear()

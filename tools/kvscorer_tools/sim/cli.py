@@ -52,7 +52,14 @@ def register(subparsers: Any) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=d.max_num_batched_tokens,
-        help="uncached prompt tokens scheduled per engine step",
+        help="token budget of an engine step (decodes and prompt chunks; vLLM's chunked "
+        "prefill splits a longer prompt over several steps)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="most prompt tokens one request takes per step (0, the default: no cap)",
     )
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument(
@@ -126,6 +133,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.long_prefill_token_threshold < 0:
+        raise ValueError("--long-prefill-token-threshold must be >= 0")
     if not args.speed > 0:
         raise ValueError("--speed must be > 0")
     if args.stream_interval < 1:
@@ -139,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         capacity_blocks=args.capacity_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         speed=args.speed,
         seed=args.seed,

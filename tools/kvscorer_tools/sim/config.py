@@ -21,6 +21,9 @@ class SimConfig:
     capacity_blocks: int = 32768  # KV pool size in blocks (vLLM num_gpu_blocks)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # vLLM's --long-prefill-token-threshold: most prompt tokens one request takes per step
+    # (0: no cap, vLLM's default with one partial prefill).
+    long_prefill_token_threshold: int = 0
     max_model_len: int = 131072
     speed: float = 1.0  # wall clock runs this many times faster than model time
     seed: int = 0

@@ -1,23 +1,25 @@
-"""The simulated engine: FIFO scheduler, prefix cache, KV events, timing, metrics.
+"""The simulated engine: vLLM's scheduler, prefix cache, KV events, timing, metrics.
 
 One asyncio task runs engine steps, as vLLM's engine core does:
 
-1. schedule: move waiting requests (FIFO, never skipping the head) into the running batch
-   while fewer than `max_num_seqs` run, the step's uncached prompt tokens stay within
-   `max_num_batched_tokens` (the first request of a step is always taken), and the KV pool
-   can hold the request's blocks: its full prompt blocks (cached, re-used on a hit) plus
-   anonymous blocks for the partial last block and all `max_tokens` output tokens
-   (reserved up front, so there is no preemption);
-2. publish the step's KV events (BlockRemoved for evictions, then BlockStored) as one batch;
-3. sleep for the step's model time / speed: prefill_ms(sum of uncached prompt tokens of the
-   newly scheduled requests) + decode_ms_per_token(number of requests already decoding);
-4. every scheduled request gets one output token (a new request its first token: TTFT);
-   requests that reached `max_tokens` finish and unpin their blocks.
+1. schedule (`scheduler.schedule_step`, vLLM v1's rules, chunked prefill): within a budget
+   of `max_num_batched_tokens` tokens, running requests first (a decode takes 1 token, an
+   unfinished prompt its next chunk), then waiting requests (FIFO, never skipping the head)
+   while fewer than `max_num_seqs` run and the KV pool can hold the request's blocks: its
+   full prompt blocks (cached, re-used on a hit) plus anonymous blocks for the partial
+   last block and all `max_tokens` output tokens (reserved up front, so there is no
+   preemption). A long prompt is prefilled over several steps;
+2. publish the step's KV events as one batch: for each chunk, BlockRemoved for the blocks
+   evicted to make room, then BlockStored for the full blocks the chunk computes;
+3. sleep for the step's model time / speed: prefill_ms(prompt tokens of the step's chunks)
+   + decode_ms_per_token(number of decodes in the step);
+4. a request whose prompt finished in the step gets its first token (TTFT), each decode one
+   token; requests that reached `max_tokens` finish and unpin their blocks.
 
 Prefix-cache accounting follows vLLM's scheduler: a request's hit is the longest cached
-prefix of full blocks, capped so at least one prompt token is computed (vLLM recomputes the
-last token to get logits); queries and hits are counted in tokens when the request is
-scheduled.
+prefix of full blocks when it is admitted, capped so at least one prompt token is computed
+(vLLM recomputes the last token to get logits); queries and hits are counted in tokens at
+admission.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from kvscorer_tools.sim.kvevents import (
     block_stored,
 )
 from kvscorer_tools.sim.metrics import SimMetrics
-from kvscorer_tools.sim.scheduler import Admission, schedule_step
+from kvscorer_tools.sim.scheduler import Admission, Progress, Step, schedule_step
+from kvscorer_tools.sim.scheduler import release as release_blocks
 from kvscorer_tools.sim.timing import TimingModel
 from scorer.tasks import cancel_and_wait
 
@@ -76,7 +79,8 @@ class SimRequest:
     output_ids: list[int] = field(default_factory=list)
     ttft_s: float | None = None  # model seconds
     ahead: tuple[int, int] = (0, 0)  # (waiting, running) when it arrived
-    admitted_at: float = 0.0  # wall clock (monotonic) its prefill step started
+    admitted_at: float = 0.0  # wall clock (monotonic) its first prefill step started
+    progress: Progress | None = None  # the scheduler's (computed tokens, blocks)
     finish_reason: str | None = None
     aborted_at: float | None = None  # wall clock (monotonic) it was aborted while running
     queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
@@ -119,12 +123,15 @@ class Engine:
         era: Era,
         seed: int,
         stream_interval: int = 1,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # vLLM's --long-prefill-token-threshold: most prompt tokens per request per step.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.timing = timing
@@ -236,7 +243,8 @@ class Engine:
         self._events = []
 
     def _stored_events(self, req: SimRequest, stored: list[int]) -> None:
-        # One BlockStored per run of consecutive new blocks, chained to the block before.
+        # One BlockStored per run of consecutive new blocks, chained to the block before
+        # (called per scheduled chunk, after that chunk's evictions).
         new = set(stored)
         bs = self.block_size
         i, n = 0, len(req.hashes)
@@ -262,17 +270,18 @@ class Engine:
             )
             i = j
 
-    def _schedule(self) -> tuple[list[SimRequest], int]:
-        step = schedule_step(
+    def _schedule(self) -> Step[SimRequest]:
+        return schedule_step(
             self.waiting,
-            len(self.running),
+            self.running,
             self.cache,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             block_keys=_block_values,
             on_admit=self._admitted,
+            on_store=self._stored_events,
         )
-        return [a.request for a in step.admitted], step.prefill_tokens
 
     def _admitted(self, a: Admission[SimRequest]) -> None:
         req = a.request
@@ -280,7 +289,6 @@ class Engine:
         self.metrics.prefix_queries.inc(req.prompt_tokens)
         self.metrics.prefix_hits.inc(req.cached_tokens)
         self.metrics.prompt_tokens.inc(req.prompt_tokens)
-        self._stored_events(req, a.stored)
 
     async def _loop(self) -> None:
         while True:
@@ -288,21 +296,22 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            admitted, prefill_tokens = self._schedule()
-            decoding = list(self.running)
+            step = self._schedule()
             self._flush_events()
-            if not admitted and not decoding:
+            if step.empty:
                 # Cannot happen (submit rejects what never fits); do not spin if it does.
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            admitted = [a.request for a in step.admitted]
             self.running.extend(admitted)
             # The gauges are set once per step, at its end (vLLM logs its scheduler stats
             # after each step); a scrape in between refreshes them (probes._metrics).
-            if not admitted and self.stream_interval > 1:
-                await self._decode_run(decoding)
+            decode_only = not step.chunks and len(step.decodes) == len(self.running)
+            if decode_only and self.stream_interval > 1:
+                await self._decode_run(step.decodes)
                 continue
-            ms = self.timing.step_ms(prefill_tokens, len(decoding))
+            ms = self.timing.step_ms(step.prefill_tokens, len(step.decodes))
             # Steps end on absolute deadlines: asyncio wakes at 1 ms granularity, so a short
             # step (8 ms of decode at --speed 20 = 0.4 ms) oversleeps, and the next steps
             # start from the deadline, not from the late wake-up, to make it up. Without
@@ -313,17 +322,20 @@ class Engine:
             start = self._clock if now - self._clock <= CATCH_UP_S else now
             start = max([start, *(r.arrival for r in admitted)])
             end = start + self.timing.wall_s(ms)
+            for req in admitted:
+                req.admitted_at = start
             await asyncio.sleep(max(end - time.monotonic(), 0.0))
             self._clock = end
             self.steps += 1
-            for req in admitted:
+            for req in step.first:
+                if req.finish_reason is not None:
+                    continue  # aborted during the step
                 # TTFT in model seconds, from the step's scheduled end (no loop jitter).
                 req.ttft_s = self.timing.model_s(end - req.arrival)
-                req.admitted_at = start
                 self.metrics.ttft.observe(req.ttft_s)
                 if self.on_first_token is not None:
-                    self.on_first_token(req, start, end)
-            for req in [*decoding, *admitted]:
+                    self.on_first_token(req, req.admitted_at, end)
+            for req in step.tokens_out:
                 if req.finish_reason is not None:
                     continue  # aborted during the step
                 tok = req.rng.randrange(1000, self.vocab_size)
@@ -399,7 +411,7 @@ class Engine:
 
     def _finish(self, req: SimRequest, reason: str, *, release: bool) -> None:
         if release:
-            self.cache.release([h.value for h in req.hashes], req.extra_blocks)
+            release_blocks(self.cache, req)
         req.finish_reason = reason
         if reason != "abort":
             self.metrics.finished(reason)

@@ -10,7 +10,9 @@ lib/mocker perf_model.rs, `polynomial_prefill_time`):
     prefill_ms(T) = 4.209989e-07 * T**2 + 1.518344e-02 * T + 16.50142
 
 where T is the number of *uncached* prompt tokens processed in one engine step (Dynamo feeds
-the total new tokens of the batch, the GPU processing them in parallel; so do we). A fully
+the total new tokens of the batch, the GPU processing them in parallel; so do we): with
+chunked prefill (`scheduler.py`) that is the sum of the step's prompt chunks, at most
+`max_num_batched_tokens`, so a long prompt is costed chunk by chunk over its steps. A fully
 cached prompt costs nothing here; the worker still recomputes one token, as vLLM does.
 
 Decode: our own linear choice, time of one decode step (one token for every running

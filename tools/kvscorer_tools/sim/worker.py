@@ -72,6 +72,7 @@ class SimWorker:
             capacity_blocks=c.capacity_blocks,
             max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens,
+            long_prefill_token_threshold=c.long_prefill_token_threshold,
             max_model_len=c.max_model_len,
             vocab_size=self.tokenizer.vocab_size,
             timing=self.timing,

@@ -127,7 +127,9 @@ class SimFleet:
         for i in range(self.settings.workers):
             spec = SimSpec(free_port(), free_port(), free_port())
             self.specs.append(spec)
-            self.procs.append(self.group.start(f"sim{i}", self.argv(spec, i)))
+            self.procs.append(
+                self.group.start(f"sim{i}", self.argv(spec, i), nice=self.settings.sim_nice)
+            )
         for i in range(self.settings.workers):
             for attempt in range(1, _BIND_ATTEMPTS + 1):
                 spec, p = self.specs[i], self.procs[i]
@@ -147,7 +149,9 @@ class SimFleet:
                 self.group.stop(p)
                 spec = SimSpec(free_port(), free_port(), free_port())
                 self.specs[i] = spec
-                self.procs[i] = self.group.start(f"sim{i}-retry{attempt}", self.argv(spec, i))
+                self.procs[i] = self.group.start(
+                    f"sim{i}-retry{attempt}", self.argv(spec, i), nice=self.settings.sim_nice
+                )
 
     def reset(self) -> None:
         """Drop every worker's prefix cache (vLLM's POST /reset_prefix_cache)."""

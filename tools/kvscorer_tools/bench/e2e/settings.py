@@ -36,6 +36,12 @@ class E2ESettings:
     # Sims' --stream-interval: merged decode steps and coalesced SSE chunks cut their CPU
     # (bench/bench_sim_cpu.py) without moving TTFT, events or load (docs/sim.md).
     stream_interval: int = 8
+    # The sims' CPU priority (nice value, 0-19). They stand in for GPU engines, which do
+    # not take the router's CPU in a deployment; on this benchmark's shared cores every
+    # extra process hop of a router (Envoy -> picker -> Envoy) otherwise waits behind 8
+    # busy sims, and that wait is multiplied by the time scale into model-time TTFT.
+    # Applies to every router alike (ours and the peers run at 0). 0 = no priority.
+    sim_nice: int = 10
     max_num_batched_tokens: int = 8192
     max_model_len: int = 262144  # Mooncake prompts reach 126k tokens
     seed: int = 0
