@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/profile_datapath.py [--requests 300] [--chunks 20]
         [--policy round_robin] [--request-mode FULL_DUPLEX_STREAMED|BUFFERED] [--reference]
-        [--shape streamed|lean] [--event-loop asyncio|uvloop]
+        [--shape streamed|lean] [--event-loop asyncio|uvloop] [--tls]
 
 In-process and without Envoy, so the stages can be timed where they run: a real `App`
 (asyncio transport, `extproc.track_responses` on, the policy asked for) gets one HTTP/2
@@ -31,6 +31,9 @@ each timed call adds the timer's own ~0.5 µs):
 - write:    transport.write (one per batch of frames: a send() on the TCP socket)
 - other:    the rest until the answer was written: event-loop turns, task switches, the
             servicer's own code
+- tls:      scorer.extproc.transport.tls_transport.TlsTransport's own work (`--tls`: the
+            connection behind TLS as the kgateway / Envoy AI Gateway shapes have it; the
+            driver encrypts each read with an `ssl` client before the clock starts)
 `--reference`: the fast path (H2Stream.on_message) switched off, every message through the
 protobuf path, for comparison. Prints a table and writes bench/out/datapath_stages.json.
 """
@@ -41,6 +44,7 @@ import argparse
 import asyncio
 import json
 import socket
+import ssl
 import statistics
 import sys
 import time
@@ -62,11 +66,13 @@ from scorer.app import App  # noqa: E402
 from scorer.config import Config, load_config  # noqa: E402
 from scorer.extproc import wire  # noqa: E402
 from scorer.extproc.servicer import PROCESS_PATH  # noqa: E402
+from scorer.extproc.tls import self_signed, server_context  # noqa: E402
 from scorer.extproc.transport import H2Connection, H2Stream  # noqa: E402
 from scorer.extproc.transport import frames as F  # noqa: E402
+from scorer.extproc.transport.tls_transport import TlsTransport  # noqa: E402
 
 PM = processing_mode_pb2.ProcessingMode
-STAGES = ("frame", "decode", "director", "encode", "write", "other")
+STAGES = ("frame", "decode", "director", "encode", "tls", "write", "other")
 WORKERS = ["127.0.0.1:7001", "127.0.0.1:7002"]
 
 
@@ -252,10 +258,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     ours, peer = tcp_pair()
     transport = SocketTransport(ours, clock)
     conn = H2Connection(server)
-    conn.connection_made(transport)
     enc = Encoder()
     mode = PM.FULL_DUPLEX_STREAMED if args.request_mode == "FULL_DUPLEX_STREAMED" else PM.BUFFERED
-    conn.data_received(F.PREFACE + F.frame(F.SETTINGS, 0, 0))
     peer_bytes = 0
 
     def drain() -> None:
@@ -266,6 +270,47 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             except BlockingIOError:
                 return
             peer_bytes += len(got)
+            if client is not None:
+                cin.write(got)  # handshake records; answers are not decrypted (not timed)
+
+    # The bytes of one read as the scorer's socket gets them: plain, or TLS records
+    # encrypted by a client before the clock starts (`--tls`).
+    wrap: Callable[[bytes], bytes] = lambda b: b  # noqa: E731
+    feed: Callable[[bytes], None] = conn.data_received
+    client: ssl.SSLObject | None = None
+    cin, cout = ssl.MemoryBIO(), ssl.MemoryBIO()
+    if args.tls:
+        TlsTransport.data_received = clock.wrap("tls", TlsTransport.data_received)  # type: ignore[method-assign]
+        TlsTransport.write = clock.wrap("tls", TlsTransport.write)  # type: ignore[method-assign]
+        tls = TlsTransport(server_context(*self_signed(), None), conn, lambda r: None, 10.0)
+        tls.connection_made(transport)
+        cctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        cctx.check_hostname = False
+        cctx.verify_mode = ssl.CERT_NONE
+        cctx.set_alpn_protocols(["h2"])
+        client = cctx.wrap_bio(cin, cout, server_hostname="kv-scorer")
+        peer.setblocking(True)
+        for _ in range(20):  # bounded: a TLS 1.3 handshake is two flights
+            try:
+                client.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                tls.data_received(cout.read())
+                cin.write(peer.recv(1 << 20))
+        else:
+            raise RuntimeError("no TLS handshake")
+        tls.data_received(cout.read())  # the client's Finished: the connection is made
+        peer.setblocking(False)
+
+        def wrap(b: bytes) -> bytes:
+            assert client is not None
+            client.write(b)
+            return cout.read()
+
+        feed = tls.data_received
+    else:
+        conn.connection_made(transport)
+    feed(wrap(F.PREFACE + F.frame(F.SETTINGS, 0, 0)))
 
     async def answered(writes: int) -> None:
         # The answer went out once the transport wrote again; bounded wait, no sleeps.
@@ -284,8 +329,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         clock.kind = kind
         before = [us[(kind, s)] for s in STAGES[:-1]]
         w = transport.writes
+        data = wrap(data)
         t0 = time.perf_counter()
-        conn.data_received(data)
+        feed(data)
         if expect_answer:
             await answered(w)
         else:
@@ -332,7 +378,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if not handlers_done:
                     break
                 await asyncio.sleep(0)
-            conn.data_received(F.window_update(0, 1 << 20))
+            feed(wrap(F.window_update(0, 1 << 20)))
             sid += 2
             continue
         await send("request_headers", head + data_frame(sid, hmsg), mode == PM.BUFFERED)
@@ -342,7 +388,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await send("response_body", data_frame(sid, c))
         await send("end_of_stream", F.frame(F.DATA, F.END_STREAM, sid))
         # Envoy returns the window our answers used (it reads them).
-        conn.data_received(F.window_update(0, 1 << 20) + F.window_update(sid, 1 << 20))
+        feed(wrap(F.window_update(0, 1 << 20) + F.window_update(sid, 1 << 20)))
         sid += 2
     await app.stop()
     ours.close()
@@ -366,6 +412,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "request_mode": args.request_mode,
         "shape": args.shape,
         "event_loop": args.event_loop,
+        "tls": args.tls,
         "reference": args.reference,
         "requests": args.requests,
         "chunks_per_request": args.chunks,
@@ -387,6 +434,7 @@ def main() -> int:
     ap.add_argument("--reference", action="store_true", help="fast path off (protobuf path)")
     ap.add_argument("--shape", default="streamed", choices=["streamed", "lean"])
     ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"])
+    ap.add_argument("--tls", action="store_true", help="the connection behind TLS")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "datapath_stages.json"))
     args = ap.parse_args()
     if args.event_loop == "uvloop":
@@ -400,6 +448,7 @@ def main() -> int:
     print(
         f"µs per message (median), {args.requests} requests {what}, "
         f"{args.policy}, {args.request_mode}, {path}, {args.event_loop}"
+        + (", TLS" if args.tls else "")
     )
     print(
         f"{'message':>17} {'count':>6} | "

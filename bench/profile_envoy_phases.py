@@ -74,6 +74,9 @@ EXT_PROC_FIELDS = (
     "request_body_max_latency_us",
     "request_trailer_latency_us",
     "response_header_latency_us",
+    "response_body_call_count",
+    "response_body_total_latency_us",
+    "response_body_max_latency_us",
     "response_trailer_latency_us",
 )
 

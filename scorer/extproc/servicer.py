@@ -111,6 +111,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._answers: dict[tuple[str, bool], ep.ProcessingResponse] = {}
         self._answers_wire: dict[tuple[str, bool], bytes] = {}
         self._continue_trailers_wire = P.continue_trailers().SerializeToString()
+        # metadata_context values of response chunks that protobuf parsed (bounded).
+        self._valid_meta: set[bytes] = set()
 
     # ------------------------------------------------------------------ the RPC
 
@@ -429,10 +431,20 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         chunk = wire.body_chunk
         encode = wire.streamed_body_response
         resp_body = wire.RESP_RESPONSE_BODY
-        checked_meta = b""  # metadata_context bytes already checked (the same per chunk)
+        headers_tag = wire.TAG_RESPONSE_HEADERS
+        trailers_tag = wire.TAG_RESPONSE_TRAILERS
+
+        valid_meta = self._valid_meta
 
         def answer(raw: bytes) -> bool:
-            nonlocal checked_meta
+            # Envoy writes the oneof member first: its tag byte says what the message is,
+            # so headers and trailers go straight to protobuf (which decides as the
+            # reference path does) and a body chunk to the wire reader.
+            tag = raw[0] if raw else 0
+            if tag == headers_tag:
+                return headers_fast and answer_headers(raw)
+            if tag == trailers_tag:
+                return answer_trailers(raw)
             got = chunk(raw)
             if got is None:
                 kind = wire.request_kind(raw)
@@ -442,13 +454,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     return answer_trailers(raw)
                 return False
             data, end, meta = got
-            if meta and meta != checked_meta:
-                # The protobuf path would reject a malformed one: checked once per value.
+            if meta and meta not in valid_meta:
+                # The protobuf path would reject a malformed one: checked once per value
+                # (Envoy sends the same few: the served endpoint's).
                 try:
                     base_pb2.Metadata.FromString(meta)
                 except DecodeError:
                     return False
-                checked_meta = meta
+                if len(valid_meta) >= 1024:  # bounded: a flood of new values does not grow it
+                    valid_meta.clear()
+                valid_meta.add(meta)
             if not write_now(encode(data, end, resp_body) if duplex else continue_body):
                 return False
             after(director.response_chunk, rid, data, end)
@@ -459,17 +474,22 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 m = ep.ProcessingRequest.FromString(raw)
             except DecodeError:
                 return False
-            if m.response_headers.end_of_stream or not write_now(continue_headers):
+            if (
+                m.WhichOneof("request") != "response_headers"
+                or m.response_headers.end_of_stream
+                or not write_now(continue_headers)
+            ):
                 return False
             after(self._response_started, rid, m, bodies)
             return True
 
         def answer_trailers(raw: bytes) -> bool:
             try:
-                ep.ProcessingRequest.FromString(raw)  # the protobuf path would reject a bad one
+                # The protobuf path would reject a bad one, or see another oneof member.
+                m = ep.ProcessingRequest.FromString(raw)
             except DecodeError:
                 return False
-            if not write_now(continue_trailers):
+            if m.WhichOneof("request") != "response_trailers" or not write_now(continue_trailers):
                 return False
             after(director.response_ended, rid)
             return True

@@ -35,6 +35,10 @@ RESP_REQUEST_BODY = 3
 RESP_RESPONSE_BODY = 4
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
+# First byte of a message whose first field is that oneof member (tag field << 3 | LEN).
+TAG_RESPONSE_HEADERS = (REQ_RESPONSE_HEADERS << 3) | _LEN
+TAG_RESPONSE_TRAILERS = (REQ_RESPONSE_TRAILERS << 3) | _LEN
+_TAG_METADATA = (REQ_METADATA_CONTEXT << 3) | _LEN
 
 
 def varint(n: int) -> bytes:
@@ -121,27 +125,49 @@ def body_chunk(raw: bytes, field: int = REQ_RESPONSE_BODY) -> tuple[bytes, bool,
     returned unparsed for the caller to validate (the protobuf path would reject a bad
     one)."""
     end = len(raw)
-    # The shape Envoy sends for a chunk: the HttpBody alone, holding a non-empty body and
-    # end_of_stream when set (`{field} LEN {body 1 LEN ...} [end_of_stream 2 = 1]`), each
-    # length in one or two varint bytes. Read here without the general loop.
-    if end > 4 and raw[0] == (field << 3) | _LEN:
+    # The shapes Envoy sends for a chunk: the HttpBody, holding a non-empty body and
+    # end_of_stream when set (`{field} LEN {body 1 LEN ...} [end_of_stream 2 = 1]`) or only
+    # end_of_stream (the empty last chunk), then metadata_context when the gateway forwards
+    # a namespace (`8 LEN ...`); each length in one or two varint bytes. Read here
+    # without the general loop.
+    if end > 3 and raw[0] == (field << 3) | _LEN:
         n = raw[1]
         pos = 2
         if n >= 0x80 and raw[2] < 0x80:
             n = (n & 0x7F) | (raw[2] << 7)
             pos = 3
-        if (n < 0x80 or pos == 3) and n > 1 and pos + n == end and raw[pos] == 0x0A:
-            m = raw[pos + 1]
-            q = pos + 2
-            if m >= 0x80 and q < end and raw[q] < 0x80:
-                m = (m & 0x7F) | (raw[q] << 7)
-                q += 1
-            if m and (m < 0x80 or q == pos + 3):
-                after = q + m
-                if after == end:
-                    return raw[q:after], False, b""
-                if after + 2 == end and raw[after] == 0x10 and raw[after + 1] == 1:
-                    return raw[q:after], True, b""
+        hb_end = pos + n
+        if (n < 0x80 or pos == 3) and n > 1 and hb_end <= end:
+            meta = b""
+            if hb_end < end:  # metadata_context alone after the HttpBody, or the loop
+                ml = raw[hb_end + 1] if hb_end + 1 < end else -1
+                s = hb_end + 2
+                if ml >= 0x80:
+                    if s < end and raw[s] < 0x80:
+                        ml = (ml & 0x7F) | (raw[s] << 7)
+                        s += 1
+                    else:
+                        ml = -1  # three bytes or more: the loop
+                if raw[hb_end] == _TAG_METADATA and ml >= 0 and s + ml == end:
+                    meta = raw[s:end]
+                else:
+                    hb_end = -1
+            if hb_end < 0:
+                pass
+            elif raw[pos] == 0x0A:
+                m = raw[pos + 1]
+                q = pos + 2
+                if m >= 0x80 and q < hb_end and raw[q] < 0x80:
+                    m = (m & 0x7F) | (raw[q] << 7)
+                    q += 1
+                if m and (m < 0x80 or q == pos + 3):
+                    after = q + m
+                    if after == hb_end:
+                        return raw[q:after], False, meta
+                    if after + 2 == hb_end and raw[after] == 0x10 and raw[after + 1] == 1:
+                        return raw[q:after], True, meta
+            elif n == 2 and raw[pos] == 0x10 and raw[pos + 1] == 1:
+                return b"", True, meta
     pos = 0
     body_at = -1
     meta = b""

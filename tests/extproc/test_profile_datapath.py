@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 KINDS = {"request_headers", "request_body", "response_headers", "response_body", "end_of_stream"}
 
 
-@pytest.mark.parametrize("reference", [False, True])
-def test_profile_reports_every_message_and_stage(tmp_path: Path, reference: bool) -> None:
+@pytest.mark.parametrize(("reference", "tls"), [(False, False), (True, False), (False, True)])
+def test_profile_reports_every_message_and_stage(
+    tmp_path: Path, reference: bool, tls: bool
+) -> None:
     out = tmp_path / "stages.json"
     cmd = [
         sys.executable, str(ROOT / "bench" / "profile_datapath.py"), "--requests", "3",
@@ -24,16 +26,21 @@ def test_profile_reports_every_message_and_stage(tmp_path: Path, reference: bool
     ]  # fmt: skip
     if reference:
         cmd.append("--reference")
+    if tls:
+        cmd.append("--tls")
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     doc = json.loads(out.read_text())
     assert doc["reference"] is reference
+    assert doc["tls"] is tls
     rows = {r["message"]: r for r in doc["rows"]}
     assert set(rows) == KINDS
     assert rows["response_body"]["count"] == 3 * 4
     for r in rows.values():
         st = r["stages_us_median"]
-        assert set(st) == {"frame", "decode", "director", "encode", "write", "other"}
+        assert set(st) == {"frame", "decode", "director", "encode", "tls", "write", "other"}
         assert all(v >= 0 for v in st.values())
+        # TLS work is seen exactly when the connection is behind TLS.
+        assert (st["tls"] > 0) is tls
     # Body chunks are answered (encoded and written) and seen by the director on both paths.
     chunk = rows["response_body"]["stages_us_median"]
     assert chunk["encode"] > 0 and chunk["write"] > 0 and chunk["director"] > 0

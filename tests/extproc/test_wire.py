@@ -82,6 +82,15 @@ def _len_field(number: int, value: bytes) -> bytes:
     return _field(number, 2, wire.varint(len(value)) + value)
 
 
+_META_SERVED = base_pb2.Metadata(
+    filter_metadata={"envoy.lb": {"fields": {P.SERVED_KEY: {"string_value": "1.2.3.4:8"}}}}
+).SerializeToString()
+_META_LONG = base_pb2.Metadata(
+    filter_metadata={
+        "envoy.lb": {"fields": {P.SERVED_KEY: {"string_value": ",".join(["10.0.0.1:8000"] * 20)}}}
+    }
+).SerializeToString()
+
 # Bytes appended to a response_body message: unknown fields of each wire type, a group,
 # the oneof switched or repeated, HttpBody's other flags, metadata good and bad, junk.
 EXTRAS = {
@@ -97,13 +106,16 @@ EXTRAS = {
     "response_body again": _len_field(5, _len_field(1, b"zz")),
     "oneof switched": _len_field(4, b""),
     "end_of_stream_without_message": _len_field(5, _field(3, 0, b"\x01")),
-    "metadata served": _len_field(
-        8,
-        base_pb2.Metadata(
-            filter_metadata={"envoy.lb": {"fields": {P.SERVED_KEY: {"string_value": "1.2.3.4:8"}}}}
-        ).SerializeToString(),
-    ),
+    "metadata served": _len_field(8, _META_SERVED),
     "metadata malformed": _len_field(8, _len_field(1, b"\xff")),
+    # A two-byte length (Envoy's metadata with a long served list), a length written in
+    # three bytes (valid protobuf, not Envoy's), metadata then another field.
+    "metadata long": _len_field(8, _META_LONG),
+    "metadata padded length": _field(
+        8, 2, bytes((0x80 | len(_META_SERVED), 0x80, 0x00)) + _META_SERVED
+    ),
+    "metadata then unknown": _len_field(8, _META_SERVED) + _field(15, 0, b"\x01"),
+    "metadata twice": _len_field(8, _META_SERVED) + _len_field(8, _META_SERVED),
     "attributes": _len_field(9, b""),
     "protocol_config": _len_field(11, b""),
     "truncated length": b"\x2a\x05ab",
@@ -178,6 +190,10 @@ def accepted(raw: bytes) -> tuple[bytes, bool] | None:
 @example(n=5, end=True, extra="metadata served", inner=b"", junk=b"", use_junk=False)
 @example(n=5, end=True, extra="metadata malformed", inner=b"", junk=b"", use_junk=False)
 @example(n=5, end=False, extra="response_body again", inner=b"", junk=b"", use_junk=False)
+@example(n=0, end=True, extra="metadata padded length", inner=b"", junk=b"", use_junk=False)
+@example(n=0, end=True, extra="metadata then unknown", inner=b"", junk=b"", use_junk=False)
+@example(n=3, end=True, extra="metadata twice", inner=b"", junk=b"", use_junk=False)
+@example(n=0, end=True, extra="metadata long", inner=b"\x10\x01", junk=b"", use_junk=False)
 def test_reader_takes_only_what_protobuf_parses_the_same(
     n: int, end: bool, extra: str, inner: bytes, junk: bytes, use_junk: bool
 ) -> None:
@@ -186,8 +202,33 @@ def test_reader_takes_only_what_protobuf_parses_the_same(
     if ours is not None:
         assert reference(raw) == ours
     # The plain shapes Envoy sends are taken (the fast path is used, not only safe).
-    if not use_junk and not inner and extra in ("none", "metadata served", "unknown varint"):
+    plain = ("none", "metadata served", "metadata long", "unknown varint")
+    if not use_junk and not inner and extra in plain:
         assert ours == (_body(n), end)
+
+
+@pytest.mark.parametrize("extra", ["none", "metadata served", "metadata long"])
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 16_000])
+@pytest.mark.parametrize("end", [False, True])
+def test_envoy_chunk_shapes_are_read_without_the_field_loop(
+    monkeypatch: pytest.MonkeyPatch, extra: str, n: int, end: bool
+) -> None:
+    """What Envoy sends for a chunk (a body, the empty last chunk with end_of_stream,
+    metadata_context after the HttpBody when the gateway forwards a namespace) is read by
+    the short path, not field by field; the same values as protobuf."""
+    raw = chunk_raw(_body(n), end, extra)
+    if n == 0 and not end:
+        return  # an empty HttpBody: not a shape Envoy sends mid-stream (the loop reads it)
+
+    def no_loop(*a: object) -> tuple[int, int]:
+        raise AssertionError("the general field loop was used")
+
+    monkeypatch.setattr(wire, "_read_varint", no_loop)
+    got = wire.body_chunk(raw)
+    assert got is not None
+    assert got[:2] == reference(raw) == (_body(n), end)
+    meta = b"" if extra == "none" else (_META_LONG if extra == "metadata long" else _META_SERVED)
+    assert got[2] == meta
 
 
 def test_request_kind() -> None:
@@ -631,3 +672,40 @@ def test_chunks_read_one_by_one_take_the_frame_loop_lane(rig: Any, monkeypatch: 
     assert len(got) == len(msgs)
     last = ep.ProcessingResponse.FromString(got[-1][3][5:])
     assert last.response_body.response.body_mutation.streamed_response.end_of_stream
+
+
+def test_headers_and_trailers_are_told_by_their_first_byte(
+    rig: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Envoy writes the oneof member first: response headers and trailers are recognised
+    by their tag byte and parsed once by protobuf, without the wire reader's walks over
+    the message (a body chunk still goes to the wire reader)."""
+    loop, app, calls = rig
+    msgs = [
+        resp_headers_raw("200", False, "1.2.3.4:8"),
+        chunk_raw(_body(5), True, "metadata served"),
+        TRAILERS,
+    ]
+    walked: list[tuple[str, int]] = []
+    kind, chunk = wire.request_kind, wire.body_chunk
+
+    def kind_seen(raw: bytes) -> int:
+        walked.append(("request_kind", raw[0]))
+        return kind(raw)
+
+    def chunk_seen(raw: bytes, *a: int) -> Any:
+        walked.append(("body_chunk", raw[0]))
+        return chunk(raw, *a)
+
+    monkeypatch.setattr(wire, "request_kind", kind_seen)
+    monkeypatch.setattr(wire, "body_chunk", chunk_seen)
+    taken: list[bool] = []
+    calls.clear()
+    loop.run_until_complete(
+        exchange(app, True, "tags", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken)
+    )
+    assert taken == [True, True, True]
+    assert walked == [("body_chunk", 0x2A)]
+    # Then the director sees the response as the protobuf path would have shown it
+    # (test_fast_path_answers_byte_identical_to_protobuf_path compares the two).
+    assert [c[0] for c in calls][:3] == ["response_started", "response_chunk", "response_ended"]

@@ -121,23 +121,38 @@ class TlsTransport(asyncio.BufferedProtocol, asyncio.Transport):
         self._pump()
 
     def _pump(self) -> None:
-        """Hand decrypted bytes to the inner protocol."""
+        """Hand decrypted bytes to the inner protocol: every whole record of this read in
+        one `data_received` (so what the inner answers to all of them leaves in one
+        write), then what ended the read (close_notify, an error)."""
+        view = self._pview
+        size = len(view)
+        got = 0
+        ended: Callable[[], None] | None = None
         while not self._closing:
             try:
                 # With a buffer, read() returns the count (typeshed says bytes).
-                n = cast(int, self._ssl.read(READ_BUFFER, self._pbuf))
+                n = cast(int, self._ssl.read(size - got, view[got:]))
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except ssl.SSLZeroReturnError:  # close_notify
-                self.close()
+                ended = self.close
                 break
             except (ssl.SSLError, OSError) as e:
                 log.info("ext_proc TLS error: %s", e)
-                self._abort_raw()
+                ended = self._abort_raw
                 break
             if not n:
                 break
-            self._inner.data_received(bytes(self._pview[:n]))
+            got += n
+            if got == size:  # the buffer is full: hand it over, read on
+                self._inner.data_received(bytes(view))
+                got = 0
+            if not self._in.pending and not self._ssl.pending():
+                break  # nothing left to decrypt: no read ending in SSLWantReadError
+        if got:
+            self._inner.data_received(bytes(view[:got]))
+        if ended is not None:
+            ended()
         self._flush()  # renegotiation / key-update records, if any
 
     def eof_received(self) -> bool | None:
