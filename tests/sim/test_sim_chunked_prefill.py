@@ -125,6 +125,33 @@ def test_20k_prompt_takes_three_steps_and_stores_its_blocks_step_by_step() -> No
     assert loop.cache.reserved_blocks == 0 and loop.cache.pinned_blocks == 0
 
 
+def test_evictions_come_chunk_by_chunk_before_each_chunks_stores() -> None:
+    # 1,300 blocks, 1,000 of them cached and evictable (an earlier request's): the long
+    # prompt's chunks evict only what each step needs, least recently freed first, and
+    # each step's BlockRemoved precede its BlockStored (vLLM allocates, then caches).
+    loop = Loop(bs=16, capacity=1300)
+    old = _req("old", 16_000, 16, out=1)
+    loop.waiting.append(old)
+    loop.drain()
+    assert len(loop.cache) == 1000 and loop.cache.pinned_blocks == 0
+    loop.events.clear()
+    loop.steps.clear()
+    long = _req("long", 20_000, 16)
+    loop.waiting.append(long)
+    loop.drain()
+    got = [(e[0], e[1], len(e[-1])) for e in loop.events]
+    assert got == [
+        ("removed", 0, 212),  # 300 never-used blocks, then 212 of old's
+        ("stored", 0, 512),
+        ("removed", 1, 512),
+        ("stored", 1, 512),
+        ("removed", 2, 227),  # 226 full blocks + the partial/output block
+        ("stored", 2, 226),
+    ]
+    removed = [h for e in loop.events if e[0] == "removed" for h in e[2]]
+    assert removed == list(reversed(old.keys))[:951]  # freed tail first, evicted in order
+
+
 def test_blocks_of_a_running_prefill_are_hits_as_soon_as_computed() -> None:
     loop = Loop(bs=16)
     long = _req("long", 20_000, 16)
