@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/profile_envoy_phases.py [--requests 400] [--policy kv]
         [--shape local,local-full,istio,envoy-ai-gateway,kgateway] [--max-tokens 16]
+        [--scorer-probes]
 
 One Envoy with two listeners in front of the same two `kv-scorer sim` workers: `main`
 (ext_proc to `kv-scorer serve`, the shape asked for; started by the e2e harness) and
@@ -25,6 +26,11 @@ Per listener, medians over the requests (µs):
 and on `main` the ext_proc call latencies (request headers, request body calls, response
 headers: each from Envoy sending the message to receiving its answer). Prints a table and
 writes bench/out/envoy_phases.json.
+
+`--scorer-probes`: the scorer's own share, timed inside it (bench/probes/sitecustomize.py,
+loaded through PYTHONPATH by the scorer processes only): per answered read, from the read
+reaching the HTTP/2 connection to the answer's socket write, and the write itself (`send`:
+the loopback delivery and Envoy's wake-up), medians per `request` / `response` read.
 """
 
 from __future__ import annotations
@@ -231,6 +237,14 @@ def run_shape(
         response_headers=shape == "local-full",
     )
     ids = prompts(64)
+    probes = scorer_dir / "probes"
+    if args.scorer_probes:
+        # Read by bench/probes/sitecustomize.py in the scorer started next.
+        probes.mkdir(parents=True, exist_ok=True)
+        for f in probes.glob("probes-*.json"):
+            f.unlink()
+        os.environ["KVSCORER_PROBES_DIR"] = str(probes)
+    windows: dict[str, tuple[float, float]] = {}
     with TokenizerScorerRun(group, fleet, args.policy, settings) as run:
         ports = run.envoy.listener_ports
         main_port = next(p for n, p in ports.items() if n != "direct")
@@ -242,7 +256,9 @@ def run_shape(
                 else 0
                 for n in ("main", "direct")
             }
+            t_start = time.time()
             lat = asyncio.run(drive(main_port, ports["direct"], reqs, args.requests))
+            windows[kind] = (t_start, time.time())
             for n in ("main", "direct"):
                 # 20 warm-up requests + the measured ones: wait for Envoy to flush them all
                 # (every second, later under load; a short log made empty medians).
@@ -255,7 +271,33 @@ def run_shape(
                 cell[n]["client"] = round(statistics.median(lat[n]), 1)
                 cell[n]["requests"] = len(rows)
             results[kind] = cell
+    if args.scorer_probes:
+        os.environ.pop("KVSCORER_PROBES_DIR", None)
+        for kind, (t0, t1) in windows.items():
+            results[kind]["scorer"] = probe_medians(probes, t0, t1)
     return results
+
+
+def probe_medians(probes: Path, t0: float, t1: float) -> dict[str, Any]:
+    """Medians of the scorer's probe rows (bench/probes/sitecustomize.py) written between
+    `t0` and `t1`, per kind: read → answer written, and the write itself (µs)."""
+    deadline = time.monotonic() + 20  # the scorer writes them at exit (bounded wait)
+    files: list[Path] = []
+    while time.monotonic() < deadline and not files:
+        files = sorted(probes.glob("probes-*.json"))
+        if not files:
+            time.sleep(0.1)
+    rows = [r for f in files for r in json.loads(f.read_text()) if t0 <= r[3] <= t1]
+    out: dict[str, Any] = {}
+    for kind in ("request", "response", "end"):
+        got = [r for r in rows if r[0] == kind]
+        if got:
+            out[kind] = {
+                "reads": len(got),
+                "read_to_write_us": round(statistics.median(r[1] for r in got), 1),
+                "write_us": round(statistics.median(r[2] for r in got), 1),
+            }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kinds", default="ids,text")
+    ap.add_argument(
+        "--scorer-probes",
+        action="store_true",
+        help="time each answered read inside the scorer (bench/probes/sitecustomize.py): "
+        "from the read to the answer's socket write, and the write",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "envoy_phases.json"))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -287,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
             E2ESettings(workers=2, block_size=16, speed=1e6, capacity_blocks=None, sim_nice=0),
         )
         fleet.start()
+        if args.scorer_probes:  # for the scorers started from now on (not the sims)
+            probe_path = str(ROOT / "bench" / "probes")
+            rest = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = probe_path + (os.pathsep + rest if rest else "")
         backends = [s.endpoint for s in fleet.specs]
         original = scorer_mod.envoy_config
         scorer_mod.envoy_config = lambda s, fl, port: with_access_logs(  # type: ignore[assignment]
@@ -308,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
             "ext_proc calls (main): "
             + ", ".join(f"{f}={cell['main'].get(f)}" for f in EXT_PROC_FIELDS)
         )
+        for k, v in cell.get("scorer", {}).items():
+            print(
+                f"scorer, {k} reads ({v['reads']}): read → answer written "
+                f"{v['read_to_write_us']} µs, the write {v['write_us']} µs"
+            )
     doc = {
         "benchmark": "envoy_phases",
         "cores": os.cpu_count(),
