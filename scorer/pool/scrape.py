@@ -393,13 +393,21 @@ class LoadScraper:
             and parsed.finished is not None
         ):
             # Every request the engine has seen is finished, still held or past its first
-            # token: held ones before it = held + finished - first tokens. A request aborted
-            # before its first token counts one too many from then on: bounded by what the
-            # engine holds, it can only make the correction wait (the old rule's bound).
+            # token: held ones before it = held + finished - first tokens. The counters can
+            # drift from that for good: a request aborted before its first token may count
+            # as finished (one too many), one aborted after it by its client may never count
+            # as finished (one too few). The drift is `first_token_base`, re-anchored
+            # whenever the count leaves what is possible, [waiting, held]: exactly when the
+            # engine is idle (0 held, 0 before the first token).
             held = sc.running + sc.waiting
-            bf = held + parsed.finished - parsed.first_tokens
-            if math.isfinite(bf):  # a counter page of +Inf / NaN says nothing
-                sc.before_first = min(max(bf, sc.waiting), held)
+            raw = parsed.finished - parsed.first_tokens
+            if math.isfinite(raw):  # a counter page of +Inf / NaN says nothing
+                bf = held + raw - sc.first_token_base
+                if bf > held:
+                    sc.first_token_base = raw
+                elif bf < sc.waiting:
+                    sc.first_token_base = raw + held - sc.waiting
+                sc.before_first = held + raw - sc.first_token_base
         expected = self.config.pool.block_size
         if parsed.block_size is not None:
             sc.block_size = parsed.block_size

@@ -55,6 +55,7 @@ class ScrapedLoad:
     # Requests the engine holds that have not had their first token (vLLM's counters:
     # running + waiting + finished - first tokens; load.first_token_counts); None: unknown.
     before_first: float | None = None
+    first_token_base: float = 0.0  # the counters' drift from that count (scorer.pool.scrape)
     attempts: int = 0  # scrapes tried (success or not)
     # Good pages applied. Scrapes of a worker run one after another, so page p + 2 was
     # requested after page p was applied: the director orders pages against routing by it.

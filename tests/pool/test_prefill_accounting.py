@@ -249,3 +249,23 @@ def test_before_first_is_bounded_by_what_the_engine_holds() -> None:
     d.config.load.first_token_counts = False
     counters_page(d, 1, 0, firsts=3, finished=3)
     assert w.scraped.before_first is None
+
+
+def test_counter_drift_is_re_anchored_when_the_count_leaves_the_possible() -> None:
+    d, _clock = director()
+    w = d.pool.get(EP)
+    assert w is not None
+    # A client aborted a request after its first token and vLLM never counted it finished:
+    # idle now, the counters say one fewer than none before the first token.
+    counters_page(d, 0, 0, firsts=50, finished=49)
+    assert w.scraped.before_first == 0 and w.scraped.first_token_base == -1
+    # Two running, one past its first token: 1 before it (the raw count would say 0 and
+    # end both of ours there).
+    counters_page(d, 2, 0, firsts=51, finished=49)
+    assert w.scraped.before_first == 1
+    # An abort before the first token counted finished: too many until the count is
+    # impossible (over what is held), then held.
+    counters_page(d, 1, 0, firsts=51, finished=52)
+    assert w.scraped.before_first == 1 and w.scraped.first_token_base == 1
+    counters_page(d, 0, 0, firsts=51, finished=52)
+    assert w.scraped.before_first == 0
