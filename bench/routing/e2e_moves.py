@@ -2,8 +2,9 @@
 
 Issue 13 ("Phantom prefill queues", docs/policy.md). Reads one e2e run of the Mooncake
 conversation workload (`kv-scorer bench --mode e2e --policies kv --out OUT`) and the
-scorer's `/debug/decisions` as read during the run (the harness does not keep them; the
-log holds `decisions.log_size` = 1,000 by default, more than the 800 requests), e.g.
+scorer's `/debug/decisions`: the harness keeps them at the end of every run of a policy
+(OUT/run/cap-N/decisions/kv/<n>.json, the scorer's log holding 10,000 decisions); DIR may
+also hold answers polled during a run, e.g.
 
     while :; do curl -sf "http://127.0.0.1:ADMIN/debug/decisions?limit=200" \\
         -o "DIR/$(date +%s%N).json"; sleep 3; done

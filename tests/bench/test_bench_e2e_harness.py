@@ -184,6 +184,12 @@ def test_e2e_run_repeats_through_envoy_and_the_scorer(tmp_path: Path) -> None:
         assert "AllBlocksCleared/ok" not in r.get("events", {})
         assert "AllBlocksCleared/ok" not in start.get("events", {})
     assert skipped[0] == 2 and skipped[1] > skipped[0]
+    # Each run's decisions are kept, one file per run, every request's decision in it.
+    files = [Path(r["decisions_file"]) for r in rr["runs"]]
+    assert [f.name for f in files] == ["1.json", "2.json"]
+    for f in files:
+        kept = json.loads(f.read_text())
+        assert kept["count"] == 6 and {d["policy"] for d in kept["decisions"]} == {"round_robin"}
 
 
 def test_e2e_capacity_sweep_runs_each_capacity_on_its_own_fleet(

@@ -53,6 +53,9 @@ def run_ours(
         out = summarize(res, before, after, settings.speed, len(wl))
         add_breakdown(out, res, fleet, marks, settings.speed, policy)
         out["cpu_s"] = cpu_s
+        saved = run.save_decisions(settings.run_dir / "decisions")
+        if saved is not None:
+            out["decisions_file"] = str(saved)
         if out_start:
             out["at_start"] = out_start
         for key, spec in counted.items():

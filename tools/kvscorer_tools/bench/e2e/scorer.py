@@ -88,8 +88,14 @@ def scorer_config(
         "tokens": {"models": {MODEL: {"tokenizer": str(tokenizer)}}},
         "policy": policy,
         "policies": settings.policy_options,
+        # Every decision of a run stays in /debug/decisions, kept at its end (ScorerRun.
+        # save_decisions) for per-request analysis (bench/routing/e2e_moves.py).
+        "decisions": {"log_size": DECISION_LOG_SIZE},
         "log_level": "warning",
     }
+
+
+DECISION_LOG_SIZE = 10_000
 
 
 class ScorerRun:
@@ -181,6 +187,20 @@ class ScorerRun:
         workers = json.loads(text).get("workers", {})
         streams = [workers.get(s.endpoint, {}).get("stream") for s in self.fleet.specs]
         return all(st is None or (st.get("connected") and st.get("syncs")) for st in streams)
+
+    def save_decisions(self, folder: Path) -> Path | None:
+        """Write /debug/decisions (up to DECISION_LOG_SIZE, newest first) to the next free
+        FOLDER/<policy>/<n>.json (one file per run of the policy); None when unreachable."""
+        status, text = http_get(f"{self.admin_url}/debug/decisions?limit={DECISION_LOG_SIZE}", 30.0)
+        if status != 200:
+            return None
+        d = folder / self.policy
+        d.mkdir(parents=True, exist_ok=True)
+        n = 1
+        while (d / f"{n}.json").exists():
+            n += 1
+        (d / f"{n}.json").write_text(text)
+        return d / f"{n}.json"
 
     def decision_reasons(self) -> dict[str, int]:
         """Decisions by reason, from the scorer's kv_scorer_decisions_total counter."""
