@@ -361,6 +361,10 @@ class LoadConfig(Strict):
     # than the router counts (scorer.pool.prefill, issue 13). Off: only finished requests
     # correct the prefill estimate.
     first_token_counts: bool = True
+    # Fit the prefill model from the scrape correction too (scorer.pool.prefill,
+    # `bracketed_prefill`): a request the counters end had its first token between the
+    # page before and this one. Only until a response body teaches the model (exact).
+    fit_prefill_from_scrapes: bool = True
 
 
 class DecisionsConfig(Strict):

@@ -42,7 +42,7 @@ from scorer.policy.metrics import observe_decision
 from scorer.policy.profile import Profile
 from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
-from scorer.pool.prefill import PrefillModel, scrape_correction
+from scorer.pool.prefill import PrefillModel, bracketed_prefill, scrape_correction
 from scorer.pool.workers import Pool, PoolChange
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 from scorer.usage import OUTCOMES as USAGE_OUTCOMES
@@ -210,6 +210,8 @@ class Director:
         self._pages: dict[str, tuple[int, float]] = {}
         self._stale_after_s = config.load.stale_after_s
         self._recheck_s = config.load.scrape_interval_s
+        self._fit_scrapes = config.load.fit_prefill_from_scrapes
+        pool.prefill = self.prefill  # shown in /debug/pool
         # TOKENS children per endpoint: {endpoint: {(model, kind): child}}, dropped (and the
         # series removed) when the worker leaves the pool: pods churn, series must not grow.
         self._token_counters: dict[str, dict[tuple[str, str], Any]] = {}
@@ -446,7 +448,9 @@ class Director:
                 continue
             self._pages[ep] = (page, now)
             sc = w.scraped
-            n += self._scrape_correction(ep, page, sc.running, sc.waiting, sc.before_first)
+            n += self._scrape_correction(
+                ep, page, sc.running, sc.waiting, sc.before_first, now, known
+            )
         due = self._prefill_due
         while due and due[0][0] <= now:
             _, rid = heapq.heappop(due)
@@ -462,18 +466,37 @@ class Director:
         return n
 
     def _scrape_correction(
-        self, ep: str, page: int, running: float, waiting: float, before_first: float | None
+        self,
+        ep: str,
+        page: int,
+        running: float,
+        waiting: float,
+        before_first: float | None,
+        now: float = 0.0,
+        last: tuple[int, float] | None = None,
     ) -> int:
         """A new metrics page of `ep`: end the prefill of our oldest requests there that
-        the engine no longer holds before their first token."""
+        the engine no longer holds before their first token. `last`: the page applied
+        before (count, director clock), which still held what this one ends."""
         flights = self._prefilling.get(ep)
         if not flights:
             return 0
         # Routing order is page order: the requests the page must have seen come first.
         seen = sum(1 for live in flights.values() if live.routed_page + 2 <= page)
         end, _ = scrape_correction(seen, len(flights), running, waiting, before_first)
+        # Counters say when the first token came, to a page: teach the prefill model when
+        # no response body does (scorer.pool.prefill, bracketed_prefill).
+        fit = before_first is not None and self._fit_scrapes and self.prefill.exact == 0
         for rid in list(flights)[:end]:
-            self._prefill_over(rid, flights[rid])
+            live = flights[rid]
+            if fit:
+                # The last page held it only if that page had seen it.
+                held_at = None
+                if last is not None and live.routed_page + 2 <= last[0]:
+                    held_at = last[1]
+                seconds = bracketed_prefill(live.routed_at, now, held_at)
+                self.prefill.observe(live.uncached_tokens, seconds, exact=False)
+            self._prefill_over(rid, live)
         return end
 
     def _held(self, request_id: str, live: _Live, now: float) -> bool:

@@ -31,6 +31,14 @@ counters say exactly how many requests it holds before their first token (`befor
 scorer.pool.scrape: running + waiting + finished - first tokens, the TTFT histogram's
 count), so the correction ends our oldest seen flights beyond that many, a page or two
 after their first token, whatever the engine's speed.
+
+That correction also teaches the model where nothing else does (`load.
+fit_prefill_from_scrapes`; the lean shape sends no response body): a request it ends had
+its first token before this page, and after the last page that counted it as still
+before its first token. `bracketed_prefill` turns that bracket into one observation (its
+middle), so the estimate, not the next page, ends the following requests' prefill near
+the engine's real speed. Response bodies are exact: once one has taught the model, the
+brackets are ignored (`PrefillModel.exact`).
 """
 
 from __future__ import annotations
@@ -55,9 +63,15 @@ class PrefillModel:
     _sxx: float = 0.0
     _sxy: float = 0.0
     samples: int = 0
+    exact: int = 0  # observations from response bodies (the first token itself)
+    bracketed: int = 0  # observations from the scrape correction (bracketed_prefill)
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        """One prefill: `tokens` uncached prompt tokens took `seconds` to the first token."""
+    def observe(self, tokens: float, seconds: float, exact: bool = True) -> None:
+        """One prefill: `tokens` uncached prompt tokens took `seconds` to the first token.
+
+        `exact`: seen at the first token itself (a response body); False: bracketed by
+        two metrics pages (counted in `bracketed`).
+        """
         if seconds <= 0.0 or tokens < 0.0 or seconds > self.max_s:
             return
         d = self.decay
@@ -67,6 +81,10 @@ class PrefillModel:
         self._sxx = self._sxx * d + tokens * tokens
         self._sxy = self._sxy * d + tokens * seconds
         self.samples += 1
+        if exact:
+            self.exact += 1
+        else:
+            self.bracketed += 1
         if self.samples < self.min_samples:
             return
         den = self._n * self._sxx - self._sx * self._sx
@@ -84,6 +102,29 @@ class PrefillModel:
         """Expected prefill seconds for `tokens` uncached prompt tokens."""
         s = self.a + self.b * max(tokens, 0.0)
         return min(max(s, self.min_s), self.max_s)
+
+    def view(self) -> dict[str, float | int]:
+        """The fit as `/debug/pool` shows it (ms; the defaults until `min_samples`)."""
+        return {
+            "fixed_ms": round(self.a * 1e3, 3),
+            "ms_per_token": round(self.b * 1e3, 6),
+            "samples": self.samples,
+            "exact": self.exact,
+            "bracketed": self.bracketed,
+        }
+
+
+def bracketed_prefill(routed_at: float, page_at: float, last_held_at: float | None) -> float:
+    """Seconds one request's prefill took, from the page that showed it over.
+
+    The engine reached its first token before `page_at` and after `last_held_at` (an
+    earlier page that still counted it before its first token; None: no such page, so
+    any time after `routed_at`). Returns the middle of that interval, from `routed_at`:
+    one scrape interval of error at most, half on average, against an estimate that can
+    be 10x off (issue 13).
+    """
+    lo = routed_at if last_held_at is None else max(last_held_at, routed_at)
+    return max((lo + page_at) / 2.0 - routed_at, 0.0)
 
 
 def scrape_correction(

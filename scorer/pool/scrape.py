@@ -490,6 +490,11 @@ class LoadScraper:
         return out
 
     async def _debug_pool(self, request: web.Request) -> web.Response:
+        prefill = self.pool.prefill
         return web.json_response(
-            {"stale_after_s": self.config.load.stale_after_s, "workers": self.view()}
+            {
+                "stale_after_s": self.config.load.stale_after_s,
+                "prefill": None if prefill is None else prefill.view(),
+                "workers": self.view(),
+            }
         )

@@ -19,6 +19,7 @@ from prometheus_client import Counter, Gauge
 
 from scorer.config import Config, WorkerConfig
 from scorer.pool.inflight import InflightTracker, WorkerLoad
+from scorer.pool.prefill import PrefillModel
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class Pool:
 
     def __init__(self, workers: Iterable[WorkerConfig], models: Sequence[str] = ()) -> None:
         self.inflight = InflightTracker()
+        # The director's fitted prefill model, shown in /debug/pool (None: no director).
+        self.prefill: PrefillModel | None = None
         self.models = frozenset(models)
         self.workers: dict[str, Worker] = {}
         self._listeners: list[PoolListener] = []
