@@ -90,6 +90,9 @@ class PrefillModel:
         den = self._n * self._sxx - self._sx * self._sx
         if den <= 1e-9 * max(self._n * self._sxx, 1.0):
             # All prompts the same size: keep the slope, refit the intercept.
+            if self.exact == 0 and self._sy < self.b * self._sx:
+                self._rate()  # faster than the slope alone says: the slope is wrong
+                return
             self.a = max(self._sy / self._n - self.b * self._sx / self._n, 0.0)
             return
         b = (self._n * self._sxy - self._sx * self._sy) / den
@@ -97,6 +100,15 @@ class PrefillModel:
         if b >= 0.0:
             self.b = b
             self.a = max(a, 0.0)
+        elif self.exact == 0:
+            # Brackets are a scrape interval wide: against fast engines that noise hides
+            # the slope. Fall back to the mean rate rather than keep the default.
+            self._rate()
+
+    def _rate(self) -> None:
+        """The line through the origin with the observations' mean seconds per token."""
+        if self._sx > 0.0:
+            self.a, self.b = 0.0, self._sy / self._sx
 
     def estimate(self, tokens: float) -> float:
         """Expected prefill seconds for `tokens` uncached prompt tokens."""
