@@ -42,7 +42,7 @@ from scorer.policy.metrics import observe_decision
 from scorer.policy.profile import Profile
 from scorer.policy.profiles import least_loaded
 from scorer.policy.session import session_header
-from scorer.pool.prefill import PrefillModel, bracketed_prefill, scrape_correction
+from scorer.pool.prefill import ARRIVAL_S, PrefillModel, bracketed_prefill, scrape_correction
 from scorer.pool.workers import Pool, PoolChange
 from scorer.routing import Decision, Reason, RoutingRequest, refuse
 from scorer.usage import OUTCOMES as USAGE_OUTCOMES
@@ -143,6 +143,8 @@ class _Live:
     bodies: bool = False  # its response body chunks reach the director
     routed_page: int = 0  # the worker's scrape page count at the decision
     tracked: str | None = None  # endpoint whose prefilling map holds it (scrape correction)
+    fitting: str | None = None  # endpoint whose pages will date its first token (the fit)
+    held_at: float = 0.0  # director clock of the last page that held it before its first token
 
 
 USAGE = Counter(
@@ -210,7 +212,15 @@ class Director:
         self._pages: dict[str, tuple[int, float]] = {}
         self._stale_after_s = config.load.stale_after_s
         self._recheck_s = config.load.scrape_interval_s
+        # Requests whose first token no page has dated yet, per endpoint, routing order;
+        # and the page count of each endpoint already read for them (the fit from scrapes,
+        # while no response body teaches the model: scorer.pool.prefill).
         self._fit_scrapes = config.load.fit_prefill_from_scrapes
+        self._unfitted: dict[str, dict[str, _Live]] = {}
+        self._fit_pages: dict[str, int] = {}
+        # The clock of `ScrapedLoad.at` (LoadScraper's): a page's age in it dates the page
+        # on ours (a decision notices a page late, up to an inter-arrival time).
+        self.scrape_clock: Callable[[], float] = time.monotonic
         pool.prefill = self.prefill  # shown in /debug/pool
         # TOKENS children per endpoint: {endpoint: {(model, kind): child}}, dropped (and the
         # series removed) when the worker leaves the pool: pods churn, series must not grow.
@@ -324,7 +334,7 @@ class Director:
         )
 
     def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
-        if self._prefill_due or self._prefilling:
+        if self._prefill_due or self._prefilling or self._unfitted:
             self.expire_prefill()
         t_dec = time.perf_counter()
         rng = self.policy.ctx.rng
@@ -394,6 +404,9 @@ class Director:
                 w = self.pool.get(d.endpoints[0])
                 live.routed_page = w.scraped.pages if w is not None else 0
                 self._track(rid, live, d.endpoints[0])
+                if self._fit_scrapes and not self.prefill.exact:
+                    live.fitting = d.endpoints[0]
+                    self._unfitted.setdefault(live.fitting, {})[rid] = live
                 due = live.routed_at + self.prefill.estimate(live.uncached_tokens)
                 heapq.heappush(self._prefill_due, (due, rid))
         elif self.completion_hooks:
@@ -438,6 +451,8 @@ class Director:
         count comparison, and a heap peek when nothing is due."""
         now = self.clock()
         n = 0
+        if self._unfitted:
+            self._fit_from_pages(now)
         for ep in list(self._prefilling):
             w = self.pool.get(ep)
             page = w.scraped.pages if w is not None else 0
@@ -448,9 +463,7 @@ class Director:
                 continue
             self._pages[ep] = (page, now)
             sc = w.scraped
-            n += self._scrape_correction(
-                ep, page, sc.running, sc.waiting, sc.before_first, now, known
-            )
+            n += self._scrape_correction(ep, page, sc.running, sc.waiting, sc.before_first)
         due = self._prefill_due
         while due and due[0][0] <= now:
             _, rid = heapq.heappop(due)
@@ -465,6 +478,65 @@ class Director:
             n += 1
         return n
 
+    def _fit_from_pages(self, now: float) -> None:
+        """Date first tokens by the workers' new pages and fit the prefill model on them.
+
+        A page's count of requests before their first token (`before_first`) holds the
+        newest that many of ours routed there before the page (first come, first served);
+        the older ones had their first token since the last page that held them
+        (`bracketed_prefill`). Requests routed within `ARRIVAL_S` of the page may not have
+        reached the engine yet: they wait for the next page.
+        """
+        if self.prefill.exact:
+            # A response body taught the model: it is exact, brackets are not needed.
+            for flights in self._unfitted.values():
+                for live in flights.values():
+                    live.fitting = None
+            self._unfitted.clear()
+            self._fit_pages.clear()
+            return
+        for ep in list(self._unfitted):
+            flights = self._unfitted[ep]
+            w = self.pool.get(ep)
+            if w is None:
+                for live in flights.values():
+                    live.fitting = None
+                del self._unfitted[ep]
+                self._fit_pages.pop(ep, None)
+                continue
+            sc = w.scraped
+            if sc.pages == 0 or self._fit_pages.get(ep) == sc.pages:
+                continue
+            self._fit_pages[ep] = sc.pages
+            if sc.before_first is None:
+                continue
+            page_at = now - min(max(self.scrape_clock() - sc.at, 0.0), self._stale_after_s)
+            counted = [
+                rid for rid, live in flights.items() if live.routed_at <= page_at - ARRIVAL_S
+            ]
+            over = max(len(counted) - int(sc.before_first), 0)
+            for rid in counted[:over]:
+                live = flights.pop(rid)
+                live.fitting = None
+                seconds = bracketed_prefill(live.routed_at, page_at, live.held_at)
+                self.prefill.observe(live.uncached_tokens, seconds, exact=False)
+            for rid in counted[over:]:
+                flights[rid].held_at = page_at
+            if not flights:
+                del self._unfitted[ep]
+                self._fit_pages.pop(ep, None)
+
+    def _unfit(self, request_id: str, live: _Live) -> None:
+        ep, live.fitting = live.fitting, None
+        if ep is None:
+            return
+        flights = self._unfitted.get(ep)
+        if flights is not None:
+            flights.pop(request_id, None)
+            if not flights:
+                del self._unfitted[ep]
+                self._fit_pages.pop(ep, None)
+
     def _scrape_correction(
         self,
         ep: str,
@@ -472,31 +544,17 @@ class Director:
         running: float,
         waiting: float,
         before_first: float | None,
-        now: float = 0.0,
-        last: tuple[int, float] | None = None,
     ) -> int:
         """A new metrics page of `ep`: end the prefill of our oldest requests there that
-        the engine no longer holds before their first token. `last`: the page applied
-        before (count, director clock), which still held what this one ends."""
+        the engine no longer holds before their first token."""
         flights = self._prefilling.get(ep)
         if not flights:
             return 0
         # Routing order is page order: the requests the page must have seen come first.
         seen = sum(1 for live in flights.values() if live.routed_page + 2 <= page)
         end, _ = scrape_correction(seen, len(flights), running, waiting, before_first)
-        # Counters say when the first token came, to a page: teach the prefill model when
-        # no response body does (scorer.pool.prefill, bracketed_prefill).
-        fit = before_first is not None and self._fit_scrapes and self.prefill.exact == 0
         for rid in list(flights)[:end]:
-            live = flights[rid]
-            if fit:
-                # The last page held it only if that page had seen it.
-                held_at = None
-                if last is not None and live.routed_page + 2 <= last[0]:
-                    held_at = last[1]
-                seconds = bracketed_prefill(live.routed_at, now, held_at)
-                self.prefill.observe(live.uncached_tokens, seconds, exact=False)
-            self._prefill_over(rid, live)
+            self._prefill_over(rid, flights[rid])
         return end
 
     def _held(self, request_id: str, live: _Live, now: float) -> bool:
@@ -570,6 +628,7 @@ class Director:
         if served is not None and served != self.inflight.endpoint_of(request_id):
             self.inflight.moved(request_id, served)
             moved = True
+            self._unfit(request_id, live)  # another worker's pages: its bracket is lost
             if live.tracked is not None:
                 # It is the served worker's newest: only its pages from now on count it.
                 self._untrack(request_id, live)
@@ -615,6 +674,7 @@ class Director:
         if live is None:
             return
         self._untrack(request_id, live)
+        self._unfit(request_id, live)
         endpoint = self.inflight.endpoint_of(request_id) or live.decision.endpoints[0]
         self.inflight.finished(request_id)
         usage: Usage | None = None

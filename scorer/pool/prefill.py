@@ -126,14 +126,19 @@ class PrefillModel:
         }
 
 
+# A routed request reaches the engine within this long (Envoy's hop; the benchmark's
+# client → engine p50 is ~25 ms wall): a page younger than that may not count it yet.
+ARRIVAL_S = 0.05
+
+
 def bracketed_prefill(routed_at: float, page_at: float, last_held_at: float | None) -> float:
     """Seconds one request's prefill took, from the page that showed it over.
 
     The engine reached its first token before `page_at` and after `last_held_at` (an
-    earlier page that still counted it before its first token; None: no such page, so
-    any time after `routed_at`). Returns the middle of that interval, from `routed_at`:
-    one scrape interval of error at most, half on average, against an estimate that can
-    be 10x off (issue 13).
+    earlier page that still counted it before its first token; None or before the
+    routing: no such page, so any time after `routed_at`). Returns the middle of that
+    interval, from `routed_at`: one scrape interval of error at most, half on average,
+    against an estimate that can be 10x off (issue 13).
     """
     lo = routed_at if last_held_at is None else max(last_held_at, routed_at)
     return max((lo + page_at) / 2.0 - routed_at, 0.0)

@@ -44,6 +44,7 @@ def director(fit: bool = True) -> tuple[Director, Clock, LoadScraper]:
     d = Director(cfg, pool, build_policy("round_robin", PolicyContext(pool=pool, config=cfg), {}))
     clock = Clock()
     d.clock = clock
+    d.scrape_clock = clock
     return d, clock, LoadScraper(cfg, pool, clock=clock)
 
 
@@ -164,3 +165,46 @@ def test_bracket_observations_feed_the_same_fit() -> None:
     assert m.bracketed == 8 and m.exact == 0
     assert m.estimate(5000) == pytest.approx(0.06, rel=1e-6)
     assert m.view()["ms_per_token"] == pytest.approx(0.01)
+
+
+def test_a_bracket_is_dated_by_the_pages_not_by_when_a_decision_notices_them() -> None:
+    d, clock, scraper = director()
+    w = d.pool.get(EP)
+    assert w is not None
+
+    def counters(firsts: int) -> None:
+        held = ParsedMetrics(engine="vllm", running=1, waiting=0, first_tokens=firsts, finished=0)
+        scraper.apply(w, held)
+
+    scraper.apply(w, ParsedMetrics(engine="vllm", running=0, waiting=0, first_tokens=0, finished=0))
+    clock.t += 0.01
+    route(d, "a", stream=True)
+    d.response_started("a", 200, None, "text/event-stream", bodies=False)
+    clock.t += 0.19
+    counters(0)  # +0.2: the engine holds a before its first token
+    clock.t += 0.05
+    assert d.expire_prefill() == 0
+    clock.t += 0.15
+    counters(1)  # +0.4: a had its first token since the last page
+    clock.t += 0.6  # the next decision comes much later
+    assert d.expire_prefill() == 1 and d.prefill.bracketed == 1
+    # Held at +0.2, over by +0.4: the middle is 0.29 s after its routing at +0.01, not
+    # (1.0 - 0.01) / 2 (when the decision noticed the page).
+    assert d.prefill._sy == pytest.approx(0.29)
+    # The fit's own bookkeeping keeps nothing of it.
+    assert d._unfitted == {}
+
+
+def test_a_request_younger_than_the_page_waits_for_the_next_one() -> None:
+    d, clock, scraper = director()
+    w = d.pool.get(EP)
+    assert w is not None
+    route(d, "a", stream=True)
+    d.response_started("a", 200, None, "text/event-stream", bodies=False)
+    clock.t += 0.01  # it may not have reached the engine: the page's 0 says nothing of it
+    scraper.apply(w, ParsedMetrics(engine="vllm", running=0, waiting=0, first_tokens=0, finished=0))
+    d.expire_prefill()
+    assert d.prefill.samples == 0 and list(d._unfitted[EP]) == ["a"]
+    # It ends with no page having dated its first token: nothing is learnt or kept.
+    d.response_ended("a")
+    assert d.prefill.samples == 0 and d._unfitted == {}
