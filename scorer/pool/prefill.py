@@ -32,13 +32,14 @@ scorer.pool.scrape: running + waiting + finished - first tokens, the TTFT histog
 count), so the correction ends our oldest seen flights beyond that many, a page or two
 after their first token, whatever the engine's speed.
 
-That correction also teaches the model where nothing else does (`load.
-fit_prefill_from_scrapes`; the lean shape sends no response body): a request it ends had
-its first token before this page, and after the last page that counted it as still
-before its first token. `bracketed_prefill` turns that bracket into one observation (its
-middle), so the estimate, not the next page, ends the following requests' prefill near
-the engine's real speed. Response bodies are exact: once one has taught the model, the
-brackets are ignored (`PrefillModel.exact`).
+The same counts teach the model where nothing else does (`load.fit_prefill_from_scrapes`;
+the lean shape sends no response body; scorer.director `_fit_from_pages`): a page's
+`before_first` holds the newest that many of our requests there, so each older one had
+its first token after the last page that held it and before this one.
+`bracketed_prefill` turns that bracket into one observation (its middle), so the
+estimate, not the next pages, ends the following requests' prefill near the engine's
+real speed. Response bodies are exact: once one has taught the model, brackets are no
+longer taken (`PrefillModel.exact`).
 """
 
 from __future__ import annotations
