@@ -217,10 +217,9 @@ class Director:
         # while no response body teaches the model: scorer.pool.prefill).
         self._fit_scrapes = config.load.fit_prefill_from_scrapes
         self._unfitted: dict[str, dict[str, _Live]] = {}
-        self._fit_pages: dict[str, int] = {}
-        # The clock of `ScrapedLoad.at` (LoadScraper's): a page's age in it dates the page
-        # on ours (a decision notices a page late, up to an inter-arrival time).
-        self.scrape_clock: Callable[[], float] = time.monotonic
+        # Every page as it is applied: read lazily (at the next decision) a page would be
+        # dated late and the pages between two decisions lost, widening every bracket.
+        pool.page_listeners.append(self._page_applied)
         pool.prefill = self.prefill  # shown in /debug/pool
         # TOKENS children per endpoint: {endpoint: {(model, kind): child}}, dropped (and the
         # series removed) when the worker leaves the pool: pods churn, series must not grow.
@@ -334,7 +333,7 @@ class Director:
         )
 
     def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
-        if self._prefill_due or self._prefilling or self._unfitted:
+        if self._prefill_due or self._prefilling:
             self.expire_prefill()
         t_dec = time.perf_counter()
         rng = self.policy.ctx.rng
@@ -451,8 +450,6 @@ class Director:
         count comparison, and a heap peek when nothing is due."""
         now = self.clock()
         n = 0
-        if self._unfitted:
-            self._fit_from_pages(now)
         for ep in list(self._prefilling):
             w = self.pool.get(ep)
             page = w.scraped.pages if w is not None else 0
@@ -478,53 +475,40 @@ class Director:
             n += 1
         return n
 
-    def _fit_from_pages(self, now: float) -> None:
-        """Date first tokens by the workers' new pages and fit the prefill model on them.
+    def _page_applied(self, w: Worker) -> None:
+        """A new metrics page of `w`: date first tokens by it and fit the prefill model.
 
-        A page's count of requests before their first token (`before_first`) holds the
-        newest that many of ours routed there before the page (first come, first served);
-        the older ones had their first token since the last page that held them
-        (`bracketed_prefill`). Requests routed within `ARRIVAL_S` of the page may not have
-        reached the engine yet: they wait for the next page.
+        The page's count of requests before their first token (`before_first`) holds the
+        newest that many of ours routed there (first come, first served); the older ones
+        had their first token since the last page that held them (`bracketed_prefill`).
+        Requests routed within `ARRIVAL_S` of the page may not have reached the engine
+        yet: they wait for the next page.
         """
+        flights = self._unfitted.get(w.endpoint)
+        if not flights:
+            return
         if self.prefill.exact:
             # A response body taught the model: it is exact, brackets are not needed.
-            for flights in self._unfitted.values():
-                for live in flights.values():
+            for each in self._unfitted.values():
+                for live in each.values():
                     live.fitting = None
             self._unfitted.clear()
-            self._fit_pages.clear()
             return
-        for ep in list(self._unfitted):
-            flights = self._unfitted[ep]
-            w = self.pool.get(ep)
-            if w is None:
-                for live in flights.values():
-                    live.fitting = None
-                del self._unfitted[ep]
-                self._fit_pages.pop(ep, None)
-                continue
-            sc = w.scraped
-            if sc.pages == 0 or self._fit_pages.get(ep) == sc.pages:
-                continue
-            self._fit_pages[ep] = sc.pages
-            if sc.before_first is None:
-                continue
-            page_at = now - min(max(self.scrape_clock() - sc.at, 0.0), self._stale_after_s)
-            counted = [
-                rid for rid, live in flights.items() if live.routed_at <= page_at - ARRIVAL_S
-            ]
-            over = max(len(counted) - int(sc.before_first), 0)
-            for rid in counted[:over]:
-                live = flights.pop(rid)
-                live.fitting = None
-                seconds = bracketed_prefill(live.routed_at, page_at, live.held_at)
-                self.prefill.observe(live.uncached_tokens, seconds, exact=False)
-            for rid in counted[over:]:
-                flights[rid].held_at = page_at
-            if not flights:
-                del self._unfitted[ep]
-                self._fit_pages.pop(ep, None)
+        bf = w.scraped.before_first
+        if bf is None:
+            return
+        page_at = self.clock()
+        counted = [rid for rid, live in flights.items() if live.routed_at <= page_at - ARRIVAL_S]
+        over = max(len(counted) - int(bf), 0)
+        for rid in counted[:over]:
+            live = flights.pop(rid)
+            live.fitting = None
+            seconds = bracketed_prefill(live.routed_at, page_at, live.held_at)
+            self.prefill.observe(live.uncached_tokens, seconds, exact=False)
+        for rid in counted[over:]:
+            flights[rid].held_at = page_at
+        if not flights:
+            del self._unfitted[w.endpoint]
 
     def _unfit(self, request_id: str, live: _Live) -> None:
         ep, live.fitting = live.fitting, None
@@ -535,7 +519,6 @@ class Director:
             flights.pop(request_id, None)
             if not flights:
                 del self._unfitted[ep]
-                self._fit_pages.pop(ep, None)
 
     def _scrape_correction(
         self,

@@ -434,6 +434,8 @@ class LoadScraper:
         sc.failures = 0
         SCRAPE_FAILURES.labels(worker.endpoint).set(0)
         SCRAPES.labels(worker.endpoint, "ok").inc()
+        for listener in self.pool.page_listeners:
+            listener(worker)
 
     def _failed(self, worker: Worker, result: str, message: str) -> bool:
         sc = worker.scraped

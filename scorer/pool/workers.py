@@ -130,6 +130,9 @@ class Pool:
         self.inflight = InflightTracker()
         # The director's fitted prefill model, shown in /debug/pool (None: no director).
         self.prefill: PrefillModel | None = None
+        # Called with the worker after each good metrics page is applied (the director's
+        # prefill fit dates first tokens by them); listeners must not raise.
+        self.page_listeners: list[Callable[[Worker], None]] = []
         self.models = frozenset(models)
         self.workers: dict[str, Worker] = {}
         self._listeners: list[PoolListener] = []

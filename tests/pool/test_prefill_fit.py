@@ -44,7 +44,6 @@ def director(fit: bool = True) -> tuple[Director, Clock, LoadScraper]:
     d = Director(cfg, pool, build_policy("round_robin", PolicyContext(pool=pool, config=cfg), {}))
     clock = Clock()
     d.clock = clock
-    d.scrape_clock = clock
     return d, clock, LoadScraper(cfg, pool, clock=clock)
 
 
