@@ -12,6 +12,11 @@ Phases (in order; each records what it measured even when a check fails):
   truth     sequential multi-turn requests through Envoy + kv-scorer (`kv`): the
             decision's predicted matched tokens vs vLLM's counted prefix-cache hits
             (`vllm:prefix_cache_hits` delta on the worker that served it), within one block.
+  load      vLLM's own counters as the scorer reads them (`load.first_token_counts`):
+            requests held before their first token = running + waiting + request_success
+            - TTFT count, checked when the client knows it (streams past their first
+            chunk, a client abort, an idle engine), and a request routed through the
+            lean Envoy shape stops counting as prefilling once vLLM has its first token.
   routing   the multi-turn workload with evictions (96 blocks a worker), cold caches each
             run: `kv` and `round_robin` through Envoy, sglang-router and vllm-router
             `cache_aware` straight at the workers; streaming and non-streaming clients;
@@ -61,7 +66,7 @@ from tests_vllm.load import Result, run_conversations, send
 from tests_vllm.workload import MODEL, Conversation, conversations, parity_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
-PHASES = ["events", "tokens", "truth", "routing", "restart", "warm"]
+PHASES = ["events", "tokens", "truth", "load", "routing", "restart", "warm"]
 
 
 class Tier:
@@ -433,6 +438,145 @@ class Tier:
             f"{sum(r.get('predicted', 0) for r in measured)} vs counted "
             f"{sum(r['counted_hits'] for r in measured)} tokens",
         )
+
+    def phase_load(self) -> None:
+        """vLLM's counters against what the client knows (issue 13's phantom prefill)."""
+        sc = self.scorer if self.scorer is not None else self.start_scorer("kv")
+        out = asyncio.run(self._load_checks(sc, self.workers[0]))
+        self.results["phases"]["load"] = out
+        dec = out["decoding"]
+        self.check(
+            "load: 0 requests before their first token while streams decode past it",
+            dec["seen_running"] > 0 and dec["bad"] == [],
+            f"{dec['samples']} scrapes after both first chunks, {dec['seen_running']} with"
+            f" requests running; before_first > 0 in {dec['bad'] or 'none'}",
+        )
+        self.check(
+            "load: 0 before their first token once idle after a client abort and a finish",
+            out["after_abort"]["before_first"] == 0 and out["after_finish"]["before_first"] == 0,
+            f"after abort {out['after_abort']}; after a finished stream {out['after_finish']}",
+        )
+        self.check(
+            "load: a routed request stops counting as prefilling once vLLM has its first token",
+            out["routed"].get("prefill_blocks") == 0 and out["routed"].get("requests", 0) >= 1,
+            f"{out['routed']}",
+        )
+
+    async def _load_checks(self, sc: Scorer, w: Worker) -> dict[str, Any]:
+        # A short prompt and 1,400 decoded tokens: 45 of a worker's 96 blocks, two fit.
+        body = {
+            "model": MODEL, "prompt": "w1 w2 w3 w4", "max_tokens": 1400,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+        }  # fmt: skip
+
+        async with aiohttp.ClientSession() as session:
+
+            async def stream(url: str, first: asyncio.Event) -> None:
+                async with session.post(url, json=body) as r:
+                    if r.status != 200:
+                        raise ProcError(f"{url}: HTTP {r.status} {(await r.text())[:300]}")
+                    async for raw in r.content:
+                        if raw.startswith(b"data: {"):
+                            first.set()
+
+            async def row_of(ep: str) -> tuple[dict[str, Any], float]:
+                async with session.get(sc.admin + "/debug/pool") as r:
+                    doc = await r.json()
+                x = next(x for x in doc["workers"] if x["endpoint"] == ep)
+                at = time.monotonic() - (x["scrape"]["age_s"] or 1e9)
+                return {
+                    "before_first": x["scrape"]["before_first"],
+                    "running": x["scrape"]["running"],
+                    "waiting": x["scrape"]["waiting"],
+                    "prefill_blocks": x["inflight"]["prefill_blocks"],
+                    "requests": x["inflight"]["requests"],
+                }, at
+
+            async def scrape_after(t: float, ep: str) -> dict[str, Any]:
+                """The scorer's view of `ep` from a scrape taken after `t` (bounded)."""
+                for _ in range(400):
+                    row, at = await row_of(ep)
+                    if at > t + 0.02:
+                        return row
+                    await asyncio.sleep(0.02)
+                raise ProcError(f"no scrape of {ep} within 8 s")
+
+            async def wait_idle(ep: str) -> dict[str, Any]:
+                for _ in range(300):  # bounded: 300 scrapes
+                    row = await scrape_after(time.monotonic(), ep)
+                    if row["running"] == 0 and row["waiting"] == 0:
+                        return row
+                raise ProcError(f"{ep} not idle after 300 scrapes")
+
+            async def start(url: str) -> tuple[asyncio.Task[None], asyncio.Event]:
+                first = asyncio.Event()
+                return asyncio.create_task(stream(url, first)), first
+
+            async def first_of(*started: tuple[asyncio.Task[None], asyncio.Event]) -> float:
+                async with asyncio.timeout(120):
+                    for task, first in started:
+                        waiter = asyncio.create_task(first.wait())
+                        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+                        waiter.cancel()
+                        if not first.is_set():
+                            await task  # its error
+                return time.monotonic()
+
+            async def end(*tasks: asyncio.Task[None], abort: bool = True) -> None:
+                for t in tasks:
+                    if abort:
+                        t.cancel()  # the client goes away: vLLM aborts the request
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            url = w.url + "/v1/completions"
+            # Two streams straight at the worker; every scrape after both first chunks
+            # until the worker is idle must count 0 before their first token.
+            pair = [await start(url), await start(url)]
+            t_first = await first_of(*pair)
+            samples: list[dict[str, Any]] = []
+            for _ in range(300):  # bounded
+                row = await scrape_after(t_first if not samples else time.monotonic(), w.endpoint)
+                samples.append(row)
+                if row["running"] == 0 and row["waiting"] == 0:
+                    break
+            await end(*(t for t, _ in pair), abort=False)
+            decoding = {
+                "samples": len(samples),
+                "seen_running": sum(1 for r in samples if r["running"] > 0),
+                "bad": [r for r in samples if r["before_first"] != 0],
+            }
+            aborted = await start(url)
+            await first_of(aborted)
+            await end(aborted[0])
+            after_abort = await wait_idle(w.endpoint)
+            finished = await start(url)
+            await end(finished[0], abort=False)
+            after_finish = await wait_idle(w.endpoint)
+            # Through Envoy (lean: nothing of the response reaches the scorer), with a
+            # second stream on the same worker so it decodes across several scrapes.
+            routed = await start(self.gateway + "/v1/completions")
+            t_first = await first_of(routed)
+            ep = str((sc.last_decision() or {}).get("endpoint"))
+            other = await start(f"http://{ep}/v1/completions")
+            row = {"endpoint": ep}
+            for n in (1, 2, 3):  # the correction needs two scrapes after the first token
+                await scrape_after(t_first, ep)
+                # The director applies a new page before its next decision (a dry run
+                # here), not when the page arrives: this is what the next request sees.
+                dry = {"model": MODEL, "prompt": "w1 w2 w3"}
+                async with session.post(sc.admin + "/debug/score", json=dry) as r:
+                    assert r.status == 200, await r.text()
+                row |= (await row_of(ep))[0] | {"scrapes_after_first_token": n}
+                if row["prefill_blocks"] == 0 or row["requests"] == 0:
+                    break
+                t_first = time.monotonic()
+            await end(routed[0], other[0])
+        return {
+            "decoding": decoding,
+            "after_abort": after_abort,
+            "after_finish": after_finish,
+            "routed": row,
+        }
 
     def _removed_blocks(self) -> int:
         assert self.scorer is not None
