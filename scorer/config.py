@@ -362,9 +362,11 @@ class LoadConfig(Strict):
     # correct the prefill estimate.
     first_token_counts: bool = True
     # Fit the prefill model from the scrape correction too (scorer.pool.prefill,
-    # `bracketed_prefill`): a request the counters end had its first token between the
-    # page before and this one. Only until a response body teaches the model (exact).
-    fit_prefill_from_scrapes: bool = True
+    # `bracketed_prefill`): a request had its first token between the last page that
+    # counted it before its first token and the first that did not. Only until a response
+    # body teaches the model (exact). Off until a quiet end-to-end run shows it wins
+    # (bench/routing/results.md, 23:15-23:38 UTC: within the noise of a shared machine).
+    fit_prefill_from_scrapes: bool = False
 
 
 class DecisionsConfig(Strict):
