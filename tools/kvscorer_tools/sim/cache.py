@@ -316,19 +316,7 @@ class PrefixCache:
                 if self._refs[h] == 0:
                     del self._lru[h]
                 self._refs[h] += 1
-        overflow = len(self._refs) + self._anon + len(new) + max(extra_blocks, 0)
-        overflow -= self.capacity_blocks
-        evicted: list[int] = []
-        while overflow > 0:
-            victim, _ = self._lru.popitem(last=False)
-            del self._refs[victim]
-            evicted.append(victim)
-            overflow -= 1
-        self.last_evicted = evicted
-        if evicted:
-            self.evictions += len(evicted)
-            if self.on_evict is not None:
-                self.on_evict(evicted)
+        self._make_room(len(new) + max(extra_blocks, 0))
         for h in new:
             self._refs[h] = 1
         self._anon += max(extra_blocks, 0)
