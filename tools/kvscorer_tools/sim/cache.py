@@ -313,9 +313,7 @@ class PrefixCache:
         new = [h for h in uniq if h not in self._refs]
         for h in uniq:  # pin what is cached first so eviction cannot take it
             if h in self._refs:
-                if self._refs[h] == 0:
-                    del self._lru[h]
-                self._refs[h] += 1
+                self._pin(h)
         self._make_room(len(new) + max(extra_blocks, 0))
         for h in new:
             self._refs[h] = 1
@@ -328,15 +326,7 @@ class PrefixCache:
         Freed tail first (vLLM `free_blocks` reverses the request's blocks) so that a
         prompt's shared beginning outlives its unique end.
         """
-        for h in reversed(_unique(hashes)):
-            refs = self._refs.get(h)
-            if refs is None or refs == 0:
-                continue  # not pinned: nothing to release (e.g. after a reset)
-            refs -= 1
-            self._refs[h] = refs
-            if refs == 0:
-                self._lru[h] = None
-        self._anon = max(self._anon - max(extra_blocks, 0), 0)
+        self.release_blocks(_unique(hashes), extra_blocks)
 
     def reset(self) -> bool:
         """Drop every cached block, as vLLM's reset_prefix_cache.
