@@ -25,10 +25,11 @@ import gc
 import inspect
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import pytest
+import zmq.asyncio
 from configs import DEFAULT_LOOP
 from hypothesis import HealthCheck, settings
 from ports import HeldPort
@@ -253,3 +254,25 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None]:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     _watchdog(_BACKSTOP_MARGIN_S)  # interpreter exit: atexit handlers, thread joins
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """One asyncio ZMQ context per test, destroyed after it.
+
+    `Context.term()` blocks in libzmq until every socket is closed, so one socket left open
+    (a test that failed before its cleanup, a task that never ran its `finally`) would hang
+    the run. Teardown closes the leftovers with linger 0 instead, then fails the test
+    naming them: a leak is a bug, never a hang.
+    """
+    c = zmq.asyncio.Context()
+    try:
+        yield c
+    finally:
+        gc.collect()  # an unreachable socket is closed by its finalizer, not a leak
+        # pyzmq keeps a weak set of the context's sockets (what `destroy()` closes).
+        left = [s for s in list(getattr(c, "_sockets", ())) if not s.closed]
+        kinds = sorted(zmq.SocketType(s.type).name for s in left)
+        c.destroy(linger=0)
+    if left:
+        pytest.fail(f"test left {len(left)} ZMQ socket(s) open: {kinds}")

@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import random
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,28 +178,28 @@ def test_decode_is_not_stalled_for_the_whole_long_prefill() -> None:
     assert [n for _, n in loop.steps[1].chunks] == [BUDGET - 1]  # the decode's token
 
 
-def test_short_request_behind_a_long_prefill() -> None:
-    # vLLM's default (no long_prefill_token_threshold): the running prefill takes the whole
-    # budget first, a short request arriving meanwhile shares the long one's last step.
-    loop = Loop(bs=16)
+def _long_then_short(threshold: int) -> tuple[Loop, Req, Req]:
+    """A 20k-token prompt, one step later a 300-token one; run until both are done."""
+    loop = Loop(bs=16, threshold=threshold)
     long = _req("long", 20_000, 16)
     loop.waiting.append(long)
     loop.step()
     short = _req("short", 300, 16)
     loop.waiting.append(short)
     loop.drain()
+    return loop, long, short
+
+
+def test_short_request_behind_a_long_prefill() -> None:
+    # vLLM's default (no long_prefill_token_threshold): the running prefill takes the whole
+    # budget first, a short request arriving meanwhile shares the long one's last step.
+    loop, long, short = _long_then_short(0)
     assert long.first_step == 2 and short.first_step == 2
     assert [(r.name, n) for r, n in loop.steps[2].chunks] == [("long", 3616), ("short", 300)]
 
     # With --long-prefill-token-threshold the long prompt leaves budget every step: the
     # short one gets its first token before the long one finishes.
-    loop = Loop(bs=16, threshold=4096)
-    long = _req("long", 20_000, 16)
-    loop.waiting.append(long)
-    loop.step()
-    short = _req("short", 300, 16)
-    loop.waiting.append(short)
-    loop.drain()
+    loop, long, short = _long_then_short(4096)
     assert short.first_step == 1
     assert long.first_step == 4  # 4 x 4096 + 3616
     assert short.first_step < long.first_step
@@ -277,17 +276,8 @@ def test_abort_mid_prefill_gives_back_pinned_and_reserved_blocks() -> None:
 # --- the simulated worker over real ZMQ ------------------------------------------------
 
 
-@pytest.fixture
-async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    try:
-        yield ctx
-    finally:
-        ctx.destroy(linger=0)
-
-
 async def test_sim_publishes_a_long_prompts_blocks_in_one_batch_per_step(
-    zctx: zmq.asyncio.Context,
+    ctx: zmq.asyncio.Context,
 ) -> None:
     bs = 16
     cfg = SimConfig(
@@ -296,7 +286,7 @@ async def test_sim_publishes_a_long_prompts_blocks_in_one_batch_per_step(
     )  # fmt: skip
     w = SimWorker(cfg)
     await w.start()
-    sub = zctx.socket(zmq.SUB)
+    sub = ctx.socket(zmq.SUB)
     try:
         assert w.events_endpoint is not None and w.publisher is not None
         sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -17,15 +16,6 @@ from kvscorer_tools.sim.kvevents import END_SEQ, KVEventPublisher, block_removed
 from kvscorer_tools.sim.worker import SimConfig, SimWorker
 
 BS = 4
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    try:
-        yield ctx
-    finally:
-        ctx.destroy(linger=0)
 
 
 async def _start(**kw: Any) -> SimWorker:
@@ -85,11 +75,11 @@ def _stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: Any)
     }  # fmt: skip
 
 
-async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) -> None:
+async def test_store_evict_reset_events_and_replay(ctx: zmq.asyncio.Context) -> None:
     w = await _start()
     try:
         assert w.events_endpoint is not None and w.replay_endpoint is not None
-        sub, base = await _subscribe(zctx, w)
+        sub, base = await _subscribe(ctx, w)
         a = list(range(1, 10))  # 2 full blocks + 1 token
         ha = [h.value for h in vllm_block_hashes(a, BS)]
         r = await _complete(w, {"prompt": a})
@@ -135,7 +125,7 @@ async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) ->
         assert len(w.engine.cache) == 0
 
         # Replay from seq 2 over a real DEALER (0.26+ layout: topic frame).
-        dealer = zctx.socket(zmq.DEALER)
+        dealer = ctx.socket(zmq.DEALER)
         dealer.connect(w.replay_endpoint)
         await dealer.send_multipart([b"", (base + 2).to_bytes(8, "big")])
         got = [await asyncio.wait_for(dealer.recv_multipart(), 5) for _ in range(3)]
@@ -152,11 +142,11 @@ async def test_store_evict_reset_events_and_replay(zctx: zmq.asyncio.Context) ->
         await w.stop()
 
 
-async def test_array_era_over_the_wire(zctx: zmq.asyncio.Context) -> None:
+async def test_array_era_over_the_wire(ctx: zmq.asyncio.Context) -> None:
     w = await _start(era="array", topic="kv")
     try:
         assert w.events_endpoint is not None
-        sub, base = await _subscribe(zctx, w)
+        sub, base = await _subscribe(ctx, w)
         p = list(range(1, 6))
         await _complete(w, {"prompt": p, "max_tokens": 1})
         topic, seq, batch = await _recv(sub)
@@ -171,7 +161,7 @@ async def test_array_era_over_the_wire(zctx: zmq.asyncio.Context) -> None:
 
 
 @pytest.mark.parametrize("layout", ["topic", "legacy"])
-async def test_replay_layouts(zctx: zmq.asyncio.Context, layout: str) -> None:
+async def test_replay_layouts(ctx: zmq.asyncio.Context, layout: str) -> None:
     pub = KVEventPublisher(
         "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", era="map", replay_layout=layout,  # type: ignore[arg-type]
         topic="kv-events", mode="bind",
@@ -184,7 +174,7 @@ async def test_replay_layouts(zctx: zmq.asyncio.Context, layout: str) -> None:
             payloads.append(pub._buffer[-1][1])
         assert pub.next_seq == 3
         assert pub.bound_replay_endpoint is not None
-        dealer = zctx.socket(zmq.DEALER)
+        dealer = ctx.socket(zmq.DEALER)
         dealer.connect(pub.bound_replay_endpoint)
         await dealer.send_multipart([b"", (1).to_bytes(8, "big")])
         got = [await asyncio.wait_for(dealer.recv_multipart(), 5) for _ in range(3)]
