@@ -160,6 +160,21 @@ class CostModelOptions(PolicyOptions):
     # What a live session weighs in session_spread: "sessions" (1 each) or "blocks" (its
     # last request's blocks: its context, the prefill every later turn repeats).
     session_weight: Literal["sessions", "blocks"] = "sessions"
+    # Without a session id, recognise conversations by their prompts' block chains (a
+    # turn extends the previous turn's whole prompt; scorer.policy.fleet.Conversations):
+    # they then count in session_spread's live weight like named sessions, know the
+    # worker of their previous turn (continuity), and a prompt no eligible worker holds
+    # any block of opens one, spread by session_spread (docs/policy.md, "Conversations
+    # without a session id"). Off: such requests are placed by cost alone.
+    infer_conversations: bool = False
+    # Bound on the recognised conversations (and on the anchors remembered for them).
+    max_conversations: int = Field(100_000, ge=1)
+    # A continuing conversation (named or recognised) whose previous worker holds none of
+    # its own blocks any more (evicted) keeps the continuity discount there and is spread
+    # like a new one, itself not counted: it stays unless another worker is clearly
+    # better, instead of following the momentary load. Off: continuity_own_blocks drops
+    # the discount and the turn goes where the cost says.
+    continuity_evicted: bool = False
     # A session idle longer than this (s) no longer counts in session_spread (it has most
     # likely ended); it is still remembered for continuity for 600 s.
     session_live_s: float = Field(600.0, gt=0)
@@ -306,6 +321,12 @@ class FleetInputs:
     # Candidate index the session leaves for balance (session_rebalance; `sessions` is
     # then set and continuity off); None: no move.
     left: int | None = None
+    # continuity_evicted: the previous worker holds none of the conversation's own
+    # blocks; the discount applies anyway (own is 0) and `sessions` omits the conversation.
+    evicted: bool = False
+    # A request without a session id, recognised (infer_conversations): "new" (it opens a
+    # conversation) or "continued"; None: a session id, or inference off.
+    conversation: str | None = None
 
     def ttft_ms(self, queued_tokens: float) -> float:
         """Predicted prefill ms of `queued_tokens` (PrefillModel.estimate's arithmetic)."""
@@ -332,6 +353,9 @@ class CandidateTerms:
     # session_spread's input: the candidate's live session weight (None: not applied).
     live_sessions: float | None = None
     left_for_balance: bool = False  # the session left this worker (session_rebalance)
+    # infer_conversations: "new" / "continued" (FleetInputs.conversation); None: not used.
+    conversation: str | None = None
+    evicted: bool = False  # continuity_evicted applied here (the previous turn's worker)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view (a candidate row's `terms` in /debug/decisions)."""
@@ -347,6 +371,8 @@ class CandidateTerms:
             "own_blocks": self.own_blocks,
             "live_sessions": None if self.live_sessions is None else round(self.live_sessions, 1),
             "left_for_balance": self.left_for_balance,
+            "conversation": self.conversation,
+            "evicted": self.evicted,
         }
 
 
@@ -430,6 +456,8 @@ class CostTable:
         if fleet.sessions is not None:
             t.live_sessions = fleet.sessions[k]
         t.left_for_balance = i == fleet.left
+        t.conversation = fleet.conversation
+        t.evicted = fleet.evicted and i == fleet.previous
         got = fleet.life.get(i)
         if got is not None:
             t.life_factor, t.block_life_s, t.chain_age_s, t.evictions_per_s = got
@@ -596,7 +624,7 @@ def _fleet_terms(
         k = out.position(left)
         if k is not None and len(costs) > 1:
             costs[k] += max(costs) + 1.0
-    elif prev is not None and c > 0.0 and fleet.own != 0:
+    elif prev is not None and c > 0.0 and (fleet.own != 0 or fleet.evicted):
         k = out.position(prev)
         if k is not None:
             costs[k] *= 1.0 - c

@@ -47,11 +47,31 @@ request went there, each weighing 1 or its context's blocks (`session_weight`); 
 `session_spread` term spreads new sessions by it (docs/policy.md, "Session spread");
 `session_rebalance` moves a continuing session off a worker whose weight runs well over
 the mean.
+
+Conversations without a session id (`infer_conversations`). A chat client resends the
+whole history each turn, so turn t+1's prompt starts with turn t's whole prompt: its
+block chain extends turn t's, and turn t's last full block key (its tip) sits in the
+new prompt at the same position. `Conversations` remembers, per routed request, (tip,
+length, conversation) under the key at an anchor position: the deepest position of a
+fixed grid (every 16th block up to 256, then 4 per doubling) within the prompt. A new
+prompt of N blocks looks its grid positions below N - 1 up, deepest first (~N/16, at
+most ~40 lookups however long), and continues the conversation whose record its chain
+extends: same tip at the record's length, strictly longer, and the record is that
+conversation's latest turn. The last two conditions keep a shared system prompt from
+naming a conversation: independent requests behind it do not extend each other's
+whole prompts (they diverge after the shared part), a prompt that is only the shared
+part is extended at most once (a second extension is a fork: a new conversation), and
+a prompt no longer than the record is no continuation, and a chain on which two
+conversations ended a turn is a shared prefix that names neither. Each anchor keeps its last
+`bucket` records; anchors and conversations are least-recently-used bounded.
+Inferred conversations share `Sessions` with named ones (int ids, never a header's str):
+they count in each worker's live weight and remember their previous worker.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -197,6 +217,9 @@ def own_blocks(previous: str, matches: Mapping[str, MatchLike], endpoints: Itera
     return max(m.blocks - other, 0)
 
 
+SessionId = str | int
+
+
 class Sessions:
     """Session id -> the worker of its last request (bounded, least recently used out,
     forgotten after `ttl_s` idle), and per worker the summed weight (1 each, or its
@@ -210,9 +233,10 @@ class Sessions:
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.live_s = ttl_s if live_s is None else min(live_s, ttl_s)
-        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (worker, t)
+        # Ids: a session header's str, or an inferred conversation's int (Conversations).
+        self._last: OrderedDict[SessionId, tuple[str, float]] = OrderedDict()  # -> (worker, t)
         # Live sessions, oldest last request first: id -> (worker, t, weight).
-        self._active: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
+        self._active: OrderedDict[SessionId, tuple[str, float, float]] = OrderedDict()
         self._live: dict[str, float] = {}  # endpoint -> weight of its live sessions
 
     def live(self, endpoint: str) -> float:
@@ -237,19 +261,19 @@ class Sessions:
             active.popitem(last=False)
             self._count(ep, -w)
 
-    def weight(self, session_id: str) -> float:
+    def weight(self, session_id: SessionId) -> float:
         """`session_id`'s weight while it is live (0: not live)."""
         got = self._active.get(session_id)
         return 0.0 if got is None else got[2]
 
-    def get(self, session_id: str, now: float) -> str | None:
+    def get(self, session_id: SessionId, now: float) -> str | None:
         """The worker that served `session_id`'s previous request, if recent."""
         got = self._last.get(session_id)
         if got is None or now - got[1] > self.ttl_s:
             return None
         return got[0]
 
-    def put(self, session_id: str, endpoint: str, now: float, weight: float = 1.0) -> None:
+    def put(self, session_id: SessionId, endpoint: str, now: float, weight: float = 1.0) -> None:
         """`session_id`'s request went to `endpoint`; the session now weighs `weight`."""
         active = self._active
         old = active.pop(session_id, None)
@@ -267,3 +291,90 @@ class Sessions:
             if gone is not None:
                 self._count(gone[0], -gone[2])
         self.expire(now)
+
+
+def _grid(limit: int = 1 << 24) -> tuple[int, ...]:
+    """Anchor positions (block indices): every 16th block up to 256, then 4 a doubling
+    (256, 320, 384, 448, 512, 640, ...), and the first few for short prompts."""
+    g = {0, 3, 7, *range(15, 256, 16)}
+    e = 6
+    while (4 << e) <= limit:
+        g.update((m << e) - 1 for m in (4, 5, 6, 7))
+        e += 1
+    return tuple(sorted(g))
+
+
+_GRID = _grid()
+
+
+class Conversations:
+    """Conversations without a session id, recognised by their prompts' block chains
+    (module doc, "Conversations without a session id"). Bounded: at most `max_entries`
+    anchors of `bucket` records each, and `max_entries` conversations' latest tips."""
+
+    def __init__(self, max_entries: int = 100_000, bucket: int = 4, scan: int = 4) -> None:
+        self.max_entries = max_entries
+        self.bucket = bucket
+        self.scan = scan  # anchors with records looked at per lookup, deepest first
+        # anchor block key -> [(tip key, prompt blocks, conversation)], oldest first.
+        self._anchors: OrderedDict[int, list[tuple[int, int, int]]] = OrderedDict()
+        self._latest: OrderedDict[int, int] = OrderedDict()  # conversation -> its tip key
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._latest)
+
+    def find(self, keys: Sequence[int]) -> int | None:
+        """The conversation whose latest turn's prompt `keys` strictly extends (None:
+        none; the request opens a conversation)."""
+        n = len(keys)
+        anchors = self._anchors
+        latest = self._latest
+        j = bisect_right(_GRID, n - 2)  # (a previous prompt is at most n - 1 blocks)
+        looked = 0
+        while j > 0:
+            j -= 1
+            b = anchors.get(keys[_GRID[j]])
+            if b is None:
+                continue
+            for tip, m, conv in reversed(b):
+                if m < n and keys[m - 1] == tip and latest.get(conv) == tip:
+                    return conv
+            looked += 1
+            if looked >= self.scan:
+                break
+        return None
+
+    def new(self) -> int:
+        """A fresh conversation id."""
+        self._next += 1
+        return self._next
+
+    def record(self, keys: Sequence[int], conv: int) -> None:
+        """`keys` (a routed prompt, at least one block) is `conv`'s latest turn."""
+        n = len(keys)
+        tip = keys[n - 1]
+        anchor = keys[_GRID[bisect_right(_GRID, n - 1) - 1]]
+        anchors = self._anchors
+        b = anchors.get(anchor)
+        if b is None:
+            anchors[anchor] = [(tip, n, conv)]
+            if len(anchors) > self.max_entries:
+                anchors.popitem(last=False)
+        else:
+            if any(t == tip and c != conv for t, _, c in b):
+                # Two conversations ended a turn on the same chain: it is a shared prefix
+                # (a system prompt alone), no conversation's own; it names none again.
+                b[:] = [(t, m, -1 if t == tip else c) for t, m, c in b]
+                conv = -1
+            b.append((tip, n, conv))
+            if len(b) > self.bucket:
+                del b[0]
+            anchors.move_to_end(anchor)
+        if conv < 0:
+            return
+        latest = self._latest
+        latest[conv] = tip
+        latest.move_to_end(conv)
+        if len(latest) > self.max_entries:
+            latest.popitem(last=False)

@@ -45,6 +45,8 @@ class KvOptions(CostOptions):
     continuity: float = Field(0.6, ge=0, lt=1)
     continuity_own_blocks: bool = True
     session_spread: float = Field(1.0, ge=0)
+    infer_conversations: bool = True
+    continuity_evicted: bool = True
 
     # A stream that has been silent since a request was routed to its worker gets its
     # credit cut only once that request is older than this (its events had time to come).
@@ -71,7 +73,8 @@ _COST = (
     "life_fade",
     "continuity", "continuity_own_blocks", "continuity_min_match", "session_spread",
     "session_weight",
-    "session_live_s", "session_rebalance", "queue_weight",
+    "session_live_s", "session_rebalance", "queue_weight", "infer_conversations",
+    "max_conversations", "continuity_evicted",
 )  # fmt: skip
 
 

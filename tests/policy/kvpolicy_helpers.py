@@ -40,7 +40,14 @@ def endpoint(i: int) -> str:
 # `kv`'s fleet terms off (the plain Dynamo cost, as `approx` has it): the worked examples
 # of the cost function assume it. Tests of the fleet terms set them explicitly
 # (test_policy_fleet_terms.py); `make(..., plain=False)` keeps kv's shipped defaults.
-PLAIN_KV = {"credit_decay": 0.1, "duplicate_cost": 0.0, "continuity": 0.0, "session_spread": 0.0}
+PLAIN_KV = {
+    "credit_decay": 0.1,
+    "duplicate_cost": 0.0,
+    "continuity": 0.0,
+    "session_spread": 0.0,
+    "infer_conversations": False,
+    "continuity_evicted": False,
+}
 
 
 def make(

@@ -19,7 +19,7 @@ from pydantic import Field
 
 from scorer.policy.approx_index import ApproxIndex
 from scorer.policy.cost import CostModelOptions, FleetInputs, dynamo_costs
-from scorer.policy.fleet import CacheLife, Sessions, life_factor, own_blocks
+from scorer.policy.fleet import CacheLife, Conversations, Sessions, life_factor, own_blocks
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.policy.plugin import Cycle, Scorer, plugin
 from scorer.pool.prefill import PrefillModel
@@ -83,8 +83,16 @@ class DynamoCost(Scorer):
             # A worker leaving the pool takes its block-life state and what it was sent
             # along (both bounded by the live pool).
             ctx.pool.subscribe(self._pool_changed)
-        sessions = options.continuity > 0.0 or options.session_spread > 0.0
+        sessions = (
+            options.continuity > 0.0 or options.session_spread > 0.0
+        ) or options.infer_conversations
         self.sessions = Sessions(live_s=options.session_live_s) if sessions else None
+        # Conversations without a session id, recognised by their prompts' chains; the one
+        # this decision found (cycle, id; None: it opens one), for commit.
+        self.convos = (
+            Conversations(options.max_conversations) if options.infer_conversations else None
+        )
+        self._conv: tuple[Cycle | None, int | None] = (None, None)
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
 
@@ -166,10 +174,22 @@ class DynamoCost(Scorer):
                     wait = model.estimate(pfs[i] * bs) if pfs[i] > 0.0 else 0.0
                     f = life_factor(life_s - age, wait, life_s, o.life_fade)
                 life[i] = (f, life_s, age, cl.eviction_rate(w.endpoint, now))
+        ss = self.sessions
+        sid = cycle.request.session_id
+        # A request without a session id continues the conversation its chain extends, or
+        # opens one (infer_conversations).
+        conv: int | None = None
+        label: str | None = None
+        if self.convos is not None and not sid and keys and ss is not None:
+            conv = self.convos.find(keys)
+            if conv is not None and ss.get(conv, now) is None:
+                conv = None  # its previous worker is forgotten: a new one
+            label = "new" if conv is None else "continued"
+            self._conv = (cycle, conv)
         previous: int | None = None
         own: int | None = None
         if o.continuity > 0.0:
-            previous, own_found = self._previous(cycle, matches)
+            previous, own_found = self._previous(cycle, matches, conv)
             if previous is not None and o.continuity_own_blocks:
                 own = own_found
                 if own is None:
@@ -177,9 +197,29 @@ class DynamoCost(Scorer):
                     own = own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])
         live: list[float] | None = None
         left: int | None = None
-        ss = self.sessions
-        sid = cycle.request.session_id
-        if ss is not None and sid and o.session_spread > 0.0:
+        evicted = False
+        if label is not None and ss is not None and o.session_spread > 0.0:
+            eps = cycle.endpoints
+            if conv is None:
+                # A prompt no eligible worker holds any block of opens a conversation:
+                # spread by live weight (one with a cached prefix is the cost's to place).
+                if not any(
+                    (m := matches.get(eps[i])) is not None and m.blocks > 0 for i in cycle.eligible
+                ):
+                    ss.expire(now)
+                    live = [ss.live(eps[i]) for i in cycle.eligible]
+            elif previous is not None and own == 0 and o.continuity_evicted:
+                # Its previous worker evicted its own blocks: placed like a new one (itself
+                # not counted), the continuity discount kept.
+                evicted = True
+                ss.expire(now)
+                prev_ep = eps[previous]
+                mine = ss.weight(conv)
+                live = [
+                    ss.live(e) - mine if e == prev_ep else ss.live(e)
+                    for e in (eps[i] for i in cycle.eligible)
+                ]
+        elif ss is not None and sid and o.session_spread > 0.0:
             last = ss.get(sid, now)
             if last is None:
                 ss.expire(now)
@@ -199,6 +239,8 @@ class DynamoCost(Scorer):
             own,
             live,
             left,
+            evicted,
+            label,
         )
 
     def _rebalance(self, cycle: Cycle, ss: Sessions, sid: str, last: str, now: float) -> int | None:
@@ -225,16 +267,20 @@ class DynamoCost(Scorer):
         return None
 
     def _previous(
-        self, cycle: Cycle, matches: Mapping[str, MatchLike]
+        self, cycle: Cycle, matches: Mapping[str, MatchLike], conv: int | None = None
     ) -> tuple[int | None, int | None]:
         """Candidate index of the previous turn's worker (scorer.policy.fleet), if eligible,
         and, when the longest cached prefix named it, the blocks it holds beyond every other
-        eligible candidate (fleet.own_blocks, found on the way; None: not computed)."""
+        eligible candidate (fleet.own_blocks, found on the way; None: not computed).
+        `conv`: the recognised conversation (infer_conversations), whose previous worker
+        is remembered."""
         eps = cycle.endpoints
         eligible = cycle.eligible
         sid = cycle.request.session_id
         own: int | None = None
-        if sid and self.sessions is not None:
+        if conv is not None and self.sessions is not None:
+            ep = self.sessions.get(conv, cycle.now)
+        elif sid and self.sessions is not None:
             # A session names its previous turn; a new one has none (its prefix may be a
             # system prompt shared with other sessions, not a previous turn).
             ep = self.sessions.get(sid, cycle.now)
@@ -299,9 +345,20 @@ class DynamoCost(Scorer):
         keys = cycle.request.block_keys
         w = cycle.candidates[winner]
         ep = w.endpoint
-        if self.sessions is not None and cycle.request.session_id:
+        ss = self.sessions
+        if ss is not None:
             weight = cycle.request_blocks if self.options.session_weight == "blocks" else 1.0
-            self.sessions.put(cycle.request.session_id, ep, cycle.now, weight)
+            if cycle.request.session_id:
+                ss.put(cycle.request.session_id, ep, cycle.now, weight)
+            elif self.convos is not None and keys:
+                found, conv = self._conv
+                if found is not cycle:  # (not scored with the fleet terms)
+                    conv = self.convos.find(keys)
+                self._conv = (None, None)
+                if conv is None:
+                    conv = self.convos.new()
+                self.convos.record(keys, conv)
+                ss.put(conv, ep, cycle.now, weight)
         if self.life is not None and keys:
             self._record_life(cycle, w, keys)
         if self.approx is not None:
