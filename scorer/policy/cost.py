@@ -169,11 +169,12 @@ class CostModelOptions(PolicyOptions):
     infer_conversations: bool = False
     # Bound on the recognised conversations (and on the anchors remembered for them).
     max_conversations: int = Field(100_000, ge=1)
-    # A continuing conversation (named or recognised) whose previous worker holds none of
+    # A recognised conversation (infer_conversations) whose previous worker holds none of
     # its own blocks any more (evicted) keeps the continuity discount there and is spread
     # like a new one, itself not counted: it stays unless another worker is clearly
     # better, instead of following the momentary load. Off: continuity_own_blocks drops
-    # the discount and the turn goes where the cost says.
+    # the discount and the turn goes where the cost says. (A named session's turns need
+    # not extend each other, so own blocks 0 there may be a shared prefix: unchanged.)
     continuity_evicted: bool = False
     # A session idle longer than this (s) no longer counts in session_spread (it has most
     # likely ended); it is still remembered for continuity for 600 s.

@@ -362,7 +362,12 @@ class Conversations:
             if len(anchors) > self.max_entries:
                 anchors.popitem(last=False)
         else:
-            if any(t == tip and c != conv for t, _, c in b):
+            for t, _, c in b:
+                if t == tip and c != conv:
+                    break
+            else:
+                c = conv
+            if c != conv:
                 # Two conversations ended a turn on the same chain: it is a shared prefix
                 # (a system prompt alone), no conversation's own; it names none again.
                 b[:] = [(t, m, -1 if t == tip else c) for t, m, c in b]

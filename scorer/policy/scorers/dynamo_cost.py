@@ -92,7 +92,7 @@ class DynamoCost(Scorer):
         self.convos = (
             Conversations(options.max_conversations) if options.infer_conversations else None
         )
-        self._conv: tuple[Cycle | None, int | None] = (None, None)
+        self._conv: tuple[Cycle | None, int | None, bool] = (None, None, False)
         self._model = PrefillModel()
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
 
@@ -185,7 +185,6 @@ class DynamoCost(Scorer):
             if conv is not None and ss.get(conv, now) is None:
                 conv = None  # its previous worker is forgotten: a new one
             label = "new" if conv is None else "continued"
-            self._conv = (cycle, conv)
         previous: int | None = None
         own: int | None = None
         if o.continuity > 0.0:
@@ -198,14 +197,17 @@ class DynamoCost(Scorer):
         live: list[float] | None = None
         left: int | None = None
         evicted = False
+        cold = False  # a new conversation no eligible worker holds a block of
         if label is not None and ss is not None and o.session_spread > 0.0:
             eps = cycle.endpoints
             if conv is None:
                 # A prompt no eligible worker holds any block of opens a conversation:
                 # spread by live weight (one with a cached prefix is the cost's to place).
-                if not any(
-                    (m := matches.get(eps[i])) is not None and m.blocks > 0 for i in cycle.eligible
-                ):
+                held = bool(matches)
+                if held and len(cycle.eligible) != len(eps):
+                    held = not matches.keys().isdisjoint([eps[i] for i in cycle.eligible])
+                if not held:  # (the index lists only endpoints holding a block)
+                    cold = True
                     ss.expire(now)
                     live = [ss.live(eps[i]) for i in cycle.eligible]
             elif previous is not None and own == 0 and o.continuity_evicted:
@@ -219,6 +221,8 @@ class DynamoCost(Scorer):
                     ss.live(e) - mine if e == prev_ep else ss.live(e)
                     for e in (eps[i] for i in cycle.eligible)
                 ]
+        if label is not None:
+            self._conv = (cycle, conv, cold)
         elif ss is not None and sid and o.session_spread > 0.0:
             last = ss.get(sid, now)
             if last is None:
@@ -351,12 +355,16 @@ class DynamoCost(Scorer):
             if cycle.request.session_id:
                 ss.put(cycle.request.session_id, ep, cycle.now, weight)
             elif self.convos is not None and keys:
-                found, conv = self._conv
+                found, conv, cold = self._conv
                 if found is not cycle:  # (not scored with the fleet terms)
-                    conv = self.convos.find(keys)
-                self._conv = (None, None)
+                    conv, cold = self.convos.find(keys), False
+                self._conv = (None, None, False)
                 if conv is None:
                     conv = self.convos.new()
+                    if not cold:
+                        # Opened behind a cached prefix (a shared system prompt): most such
+                        # requests are one-shots; it counts as live once it continues.
+                        weight = 0.0
                 self.convos.record(keys, conv)
                 ss.put(conv, ep, cycle.now, weight)
         if self.life is not None and keys:
