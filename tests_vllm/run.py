@@ -148,6 +148,14 @@ class Tier:
     def reset_caches(self) -> None:
         for w in self.workers:
             w.reset_cache()
+        # vLLM queues the reset's AllBlocksCleared and publishes it with the next engine
+        # step's events (vllm/v1/core/block_pool.py reset_prefix_cache, published from
+        # the scheduler's step output): an idle worker would leave kv-scorer's index
+        # holding the blocks it no longer has until the run's first request, and the
+        # first decisions would chase them. One request too short to fill a block (it
+        # stores nothing) steps each engine so the event goes out now.
+        for w in self.workers:
+            post_json(w.url + "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 1})
 
     def start_scorer(self, policy: str) -> Scorer:
         self.stop_scorer()
