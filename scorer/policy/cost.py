@@ -167,6 +167,13 @@ class CostModelOptions(PolicyOptions):
     # any block of opens one, spread by session_spread (docs/policy.md, "Conversations
     # without a session id"). Off: such requests are placed by cost alone.
     infer_conversations: bool = False
+    # A recognised conversation opening on a prompt no eligible worker holds (or one whose
+    # blocks were evicted, continuity_evicted): cost x (1 + conversation_spread x excess),
+    # excess its worker's live weight above the fewest in units of ONE conversation (of
+    # its blocks with session_weight: blocks), not of the fewest as session_spread's: the
+    # worker hosting the fewest wins unless another is far less loaded (sglang-router's
+    # "smallest tree" for a prompt it cannot match, made a margin). 0: off.
+    conversation_spread: float = Field(0.0, ge=0)
     # Bound on the recognised conversations (and on the anchors remembered for them).
     max_conversations: int = Field(100_000, ge=1)
     # A recognised conversation (infer_conversations) whose previous worker holds none of
@@ -632,11 +639,18 @@ def _fleet_terms(
             out.previous = prev
     live = fleet.sessions
     spread = opts.session_spread
+    if fleet.conversation is not None:
+        spread = opts.conversation_spread  # (a recognised conversation, no session id)
     if live is not None and spread > 0.0:
         lo = min(live)
         # "blocks": at least the new session's own size (an empty worker is not infinitely
-        # better than one holding one session like it).
-        unit = max(lo, out.request_blocks if opts.session_weight == "blocks" else 0.0, 1.0)
+        # better than one holding one session like it). A recognised conversation: in
+        # units of one conversation (or its blocks), not of the fewest.
+        unit = max(
+            0.0 if fleet.conversation is not None else lo,
+            out.request_blocks if opts.session_weight == "blocks" else 0.0,
+            1.0,
+        )
         costs = [
             c * (1.0 + spread * (s - lo) / unit) if s > lo else c
             for c, s in zip(costs, live, strict=True)

@@ -62,8 +62,9 @@ naming a conversation: independent requests behind it do not extend each other's
 whole prompts (they diverge after the shared part), a prompt that is only the shared
 part is extended at most once (a second extension is a fork: a new conversation), and
 a prompt no longer than the record is no continuation, and a chain on which two
-conversations ended a turn is a shared prefix that names neither. Each anchor keeps its last
-`bucket` records; anchors and conversations are least-recently-used bounded.
+conversations end, neither continued past it, is a shared prefix that names neither.
+Each anchor keeps its last `bucket` records; anchors and conversations are least
+recently used bounded.
 Inferred conversations share `Sessions` with named ones (int ids, never a header's str):
 they count in each worker's live weight and remember their previous worker.
 """
@@ -362,14 +363,16 @@ class Conversations:
             if len(anchors) > self.max_entries:
                 anchors.popitem(last=False)
         else:
+            latest = self._latest
             for t, _, c in b:
-                if t == tip and c != conv:
+                if t == tip and c != conv and latest.get(c) == tip:
                     break
             else:
                 c = conv
             if c != conv:
-                # Two conversations ended a turn on the same chain: it is a shared prefix
-                # (a system prompt alone), no conversation's own; it names none again.
+                # Two conversations end on the same chain, neither continued past it: it
+                # is a shared prefix (a system prompt alone), no conversation's own; it
+                # names none again. (One that went on: this one restarts from its turn.)
                 b[:] = [(t, m, -1 if t == tip else c) for t, m, c in b]
                 conv = -1
             b.append((tip, n, conv))

@@ -46,6 +46,7 @@ class KvOptions(CostOptions):
     continuity_own_blocks: bool = True
     session_spread: float = Field(1.0, ge=0)
     infer_conversations: bool = True
+    conversation_spread: float = Field(1.0, ge=0)
     continuity_evicted: bool = True
 
     # A stream that has been silent since a request was routed to its worker gets its
@@ -74,7 +75,7 @@ _COST = (
     "continuity", "continuity_own_blocks", "continuity_min_match", "session_spread",
     "session_weight",
     "session_live_s", "session_rebalance", "queue_weight", "infer_conversations",
-    "max_conversations", "continuity_evicted",
+    "conversation_spread", "max_conversations", "continuity_evicted",
 )  # fmt: skip
 
 

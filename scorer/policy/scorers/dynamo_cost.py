@@ -198,7 +198,7 @@ class DynamoCost(Scorer):
         left: int | None = None
         evicted = False
         cold = False  # a new conversation no eligible worker holds a block of
-        if label is not None and ss is not None and o.session_spread > 0.0:
+        if label is not None and ss is not None and o.conversation_spread > 0.0:
             eps = cycle.endpoints
             if conv is None:
                 # A prompt no eligible worker holds any block of opens a conversation:
