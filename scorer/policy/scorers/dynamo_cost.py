@@ -198,9 +198,9 @@ class DynamoCost(Scorer):
         left: int | None = None
         evicted = False
         cold = False  # a new conversation no eligible worker holds a block of
-        if label is not None and ss is not None and o.conversation_spread > 0.0:
+        if label is not None and ss is not None:
             eps = cycle.endpoints
-            if conv is None:
+            if conv is None and o.conversation_spread > 0.0:
                 # A prompt no eligible worker holds any block of opens a conversation:
                 # spread by live weight (one with a cached prefix is the cost's to place).
                 held = bool(matches)
@@ -210,17 +210,10 @@ class DynamoCost(Scorer):
                     cold = True
                     ss.expire(now)
                     live = [ss.live(eps[i]) for i in cycle.eligible]
-            elif previous is not None and own == 0 and o.continuity_evicted:
-                # Its previous worker evicted its own blocks: placed like a new one (itself
-                # not counted), the continuity discount kept.
+            elif conv is not None and previous is not None and own == 0 and o.continuity_evicted:
+                # Its previous worker evicted its own blocks: the continuity discount is
+                # kept there (it stays unless another worker is clearly better).
                 evicted = True
-                ss.expire(now)
-                prev_ep = eps[previous]
-                mine = ss.weight(conv)
-                live = [
-                    ss.live(e) - mine if e == prev_ep else ss.live(e)
-                    for e in (eps[i] for i in cycle.eligible)
-                ]
         if label is not None:
             self._conv = (cycle, conv, cold)
         elif ss is not None and sid and o.session_spread > 0.0:
