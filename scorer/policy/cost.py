@@ -167,8 +167,8 @@ class CostModelOptions(PolicyOptions):
     # any block of opens one, spread by session_spread (docs/policy.md, "Conversations
     # without a session id"). Off: such requests are placed by cost alone.
     infer_conversations: bool = False
-    # A recognised conversation opening on a prompt no eligible worker holds (or one whose
-    # blocks were evicted, continuity_evicted): cost x (1 + conversation_spread x excess),
+    # A recognised conversation opening on a prompt no eligible worker holds:
+    # cost x (1 + conversation_spread x excess),
     # excess its worker's live weight above the fewest in units of ONE conversation (of
     # its blocks with session_weight: blocks), not of the fewest as session_spread's: the
     # worker hosting the fewest wins unless another is far less loaded (sglang-router's
@@ -177,9 +177,8 @@ class CostModelOptions(PolicyOptions):
     # Bound on the recognised conversations (and on the anchors remembered for them).
     max_conversations: int = Field(100_000, ge=1)
     # A recognised conversation (infer_conversations) whose previous worker holds none of
-    # its own blocks any more (evicted) keeps the continuity discount there and is spread
-    # like a new one, itself not counted: it stays unless another worker is clearly
-    # better, instead of following the momentary load. Off: continuity_own_blocks drops
+    # its own blocks any more (evicted) keeps the continuity discount there: it stays
+    # unless another worker is clearly better, instead of following the momentary load. Off: continuity_own_blocks drops
     # the discount and the turn goes where the cost says. (A named session's turns need
     # not extend each other, so own blocks 0 there may be a shared prefix: unchanged.)
     continuity_evicted: bool = False
@@ -330,7 +329,7 @@ class FleetInputs:
     # then set and continuity off); None: no move.
     left: int | None = None
     # continuity_evicted: the previous worker holds none of the conversation's own
-    # blocks; the discount applies anyway (own is 0) and `sessions` omits the conversation.
+    # blocks; the discount applies anyway (own is 0).
     evicted: bool = False
     # A request without a session id, recognised (infer_conversations): "new" (it opens a
     # conversation) or "continued"; None: a session id, or inference off.
