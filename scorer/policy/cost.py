@@ -177,11 +177,12 @@ class CostModelOptions(PolicyOptions):
     # Bound on the recognised conversations (and on the anchors remembered for them).
     max_conversations: int = Field(100_000, ge=1)
     # A recognised conversation (infer_conversations) whose previous worker holds none of
-    # its own blocks any more (evicted) keeps the continuity discount there: it stays
-    # unless another worker is clearly better, instead of following the momentary load. Off: continuity_own_blocks drops
-    # the discount and the turn goes where the cost says. (A named session's turns need
-    # not extend each other, so own blocks 0 there may be a shared prefix: unchanged.)
-    continuity_evicted: bool = False
+    # its own blocks any more (evicted) gets this discount there (cost x (1 - this),
+    # continuity's rule with its own margin): it stays unless another worker is clearly
+    # better, instead of following the momentary load. 0 (off): continuity_own_blocks
+    # drops the discount and the turn goes where the cost says. (A named session's turns
+    # need not extend each other, so own blocks 0 there may be a shared prefix: unchanged.)
+    continuity_evicted: float = Field(0.0, ge=0, lt=1)
     # A session idle longer than this (s) no longer counts in session_spread (it has most
     # likely ended); it is still remembered for continuity for 600 s.
     session_live_s: float = Field(600.0, gt=0)
@@ -634,7 +635,7 @@ def _fleet_terms(
     elif prev is not None and c > 0.0 and (fleet.own != 0 or fleet.evicted):
         k = out.position(prev)
         if k is not None:
-            costs[k] *= 1.0 - c
+            costs[k] *= 1.0 - (opts.continuity_evicted if fleet.evicted else c)
             out.previous = prev
     live = fleet.sessions
     spread = opts.session_spread

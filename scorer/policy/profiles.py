@@ -47,7 +47,7 @@ class KvOptions(CostOptions):
     session_spread: float = Field(1.0, ge=0)
     infer_conversations: bool = True
     conversation_spread: float = Field(1.0, ge=0)
-    continuity_evicted: bool = True
+    continuity_evicted: float = Field(0.3, ge=0, lt=1)
 
     # A stream that has been silent since a request was routed to its worker gets its
     # credit cut only once that request is older than this (its events had time to come).

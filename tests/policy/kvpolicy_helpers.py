@@ -46,7 +46,7 @@ PLAIN_KV = {
     "continuity": 0.0,
     "session_spread": 0.0,
     "infer_conversations": False,
-    "continuity_evicted": False,
+    "continuity_evicted": 0.0,
 }
 
 

@@ -62,7 +62,7 @@ def test_evicted_conversation_stays_unless_another_is_clearly_better() -> None:
     d = s.policy.decide(request(k + keys(2, base=50)), list(s.pool))
     assert d.endpoint == endpoint(1 - prev)
     # Off (the old behaviour): the somewhat busier worker loses the evicted conversation.
-    s = make(2, options={**OPTS, "continuity_evicted": False}, plain=False)
+    s = make(2, options={**OPTS, "continuity_evicted": 0.0}, plain=False)
     prev = s.endpoints.index(s.policy.decide(request(k[:10]), list(s.pool)).endpoint)
     set_load(s, prev, decode=20)
     assert s.policy.decide(request(k), list(s.pool)).endpoint == endpoint(1 - prev)

@@ -210,7 +210,12 @@ class DynamoCost(Scorer):
                     cold = True
                     ss.expire(now)
                     live = [ss.live(eps[i]) for i in cycle.eligible]
-            elif conv is not None and previous is not None and own == 0 and o.continuity_evicted:
+            elif (
+                conv is not None
+                and previous is not None
+                and own == 0
+                and o.continuity_evicted > 0.0
+            ):
                 # Its previous worker evicted its own blocks: the continuity discount is
                 # kept there (it stays unless another worker is clearly better).
                 evicted = True
