@@ -71,7 +71,7 @@ _COST = (
     "life_fade",
     "continuity", "continuity_own_blocks", "continuity_min_match", "session_spread",
     "session_weight",
-    "session_live_s", "session_rebalance", "queue_weight",
+    "session_live_s", "session_rebalance", "queue_weight", "step_share", "step_budget_tokens",
 )  # fmt: skip
 
 
