@@ -596,23 +596,22 @@ def _share_term(
 ) -> None:
     """The step-sharing term (module doc, "Step sharing") on `out.costs`."""
     cap = opts.step_budget_tokens / block_size if block_size > 0 else math.inf
+    rb = out.request_blocks
     share: list[float] = []
-    pf = out.prefill
-    for k, w in enumerate(cands):
-        pending = float(w.inflight.prefill_requests)
-        wq = waiting[k]
-        if wq > pending:
-            pending = wq
-        if pending > 0.0:
-            u = out.uncached(k)
+    add_share = share.append
+    for w, wq, q, c, x in zip(cands, waiting, out.prefill, out.credit, out.weighted, strict=True):
+        p: float = w.inflight.prefill_requests
+        if wq > p:
+            p = wq
+        u = rb - c * x  # this request's uncached blocks there (CostTable.uncached)
+        if p > 0.0 and u > 0.0:
             # Only the requests whose last chunk shares this request's first step: with
             # more than a step's budget queued there, the ones in the last budget of it.
-            q = pf[k]
             if q > cap:
-                pending *= cap / q
-            share.append(pending * (u if u < cap else cap))
+                p = p * cap / q
+            add_share(p * (u if u < cap else cap))
         else:
-            share.append(0.0)
+            add_share(0.0)
     out.share = share
     unit = opts.prefill_load_scale
     if opts.unit == "ms" and out.fleet is not None:
