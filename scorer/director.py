@@ -168,6 +168,19 @@ _OTHER_MODEL = "__other__"
 CompletionHook = Callable[[Completion], None]
 
 
+def _drop_flight(table: dict[str, dict[str, _Live]], ep: str, request_id: str) -> bool:
+    """Drop `request_id` from `ep`'s flights in `table`; True when that emptied them
+    (the endpoint's entry is then gone)."""
+    flights = table.get(ep)
+    if flights is None:
+        return False
+    flights.pop(request_id, None)
+    if flights:
+        return False
+    del table[ep]
+    return True
+
+
 class Director:
     """Owns admission, refusal, the decision, in-flight accounting and response hooks."""
 
@@ -512,13 +525,8 @@ class Director:
 
     def _unfit(self, request_id: str, live: _Live) -> None:
         ep, live.fitting = live.fitting, None
-        if ep is None:
-            return
-        flights = self._unfitted.get(ep)
-        if flights is not None:
-            flights.pop(request_id, None)
-            if not flights:
-                del self._unfitted[ep]
+        if ep is not None:
+            _drop_flight(self._unfitted, ep, request_id)
 
     def _scrape_correction(
         self,
@@ -561,14 +569,8 @@ class Director:
 
     def _untrack(self, request_id: str, live: _Live) -> None:
         ep, live.tracked = live.tracked, None
-        if ep is None:
-            return
-        flights = self._prefilling.get(ep)
-        if flights is not None:
-            flights.pop(request_id, None)
-            if not flights:
-                del self._prefilling[ep]
-                self._pages.pop(ep, None)
+        if ep is not None and _drop_flight(self._prefilling, ep, request_id):
+            self._pages.pop(ep, None)
 
     def _prefill_over(self, request_id: str, live: _Live) -> None:
         live.prefill_over = True

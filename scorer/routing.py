@@ -100,6 +100,9 @@ class CandidateScore:
     # Active prefill blocks beyond the least-queued candidate's (the cost's queue_weight
     # term; 0 when that term is off).
     queue_blocks: float = 0.0
+    # Requests before their first token there x this request's first chunk in blocks (the
+    # cost's step_share term; 0 when that term is off).
+    share_blocks: float = 0.0
     # The cost's fleet terms (predicted TTFT, block life, previous turn), when the cost
     # computed them: (scorer.policy.cost.CostTable, candidate index), built into a
     # CandidateTerms only when the row is shown.
@@ -124,6 +127,7 @@ class CandidateScore:
             "note": self.note,
             "duplicate_blocks": round(self.duplicate_blocks, 2),
             "queue_blocks": round(self.queue_blocks, 2),
+            "share_blocks": round(self.share_blocks, 2),
             **self._terms(),
         }
 

@@ -61,6 +61,25 @@ and the continuity discount (x 0.4 on the whole cost, queue included) then let a
 worker win with a queue up to ~2.2 x (duplicate) or ~2.5 x (continuity) the blocks its
 cache saves. Added after both, this term restores the queue's price; it is not cut by
 credit decay. It buys TTFT p50 with hit rate on Mooncake (docs/policy.md, "Queue term").
+
+Step sharing (option `step_share`; issue 13, TTFT end to end):
+
+    chunk_i  = min(uncached_i, step_budget_tokens / block_size)            (blocks)
+    share_i  = pending_i * chunk_i
+    cost_i  += step_share * prefill_load_scale * share_i        (after the fleet terms)
+
+pending_i: the requests candidate i holds before their first token (the router's count,
+or the fresh scrape's waiting when larger). With vLLM v1's chunked prefill a step computes
+every scheduled prompt chunk together and each request in it gets its token when the
+whole step ends (vllm/v1/core/sched/scheduler.py `schedule()`): this request's first
+chunk joins the step of every request waiting there (or their last chunk), and each of
+their first tokens waits for it. The prefill term prices only this request's own TTFT;
+this prices what its first chunk adds to the others'. A fully cached continuation adds
+~nothing; a long new prompt is kept away from a worker where short cached turns wait.
+With more than a step's budget queued, only the requests in the last budget of the queue
+share its step: pending_i x= min(1, budget_blocks / active_prefill_i). Off by default: it
+closes the prefill-stage gap end to end but costs hit rate on Mooncake
+(docs/policy.md, "Step sharing").
 """
 
 from __future__ import annotations
@@ -197,6 +216,15 @@ class CostModelOptions(PolicyOptions):
     # fleet terms so neither the continuity discount nor the duplicate term buys a place
     # in a deeper queue. 0: off.
     queue_weight: float = Field(0.0, ge=0)
+    # Step sharing (module doc, "Step sharing"): cost per block of this request's first
+    # prompt chunk per request the candidate holds before its first token, x
+    # prefill_load_scale, added after the fleet terms. 0: off.
+    step_share: float = Field(0.0, ge=0)
+    # Prompt tokens an engine step computes at most (vLLM's max_num_batched_tokens: the
+    # OpenAI server's default is 8192 on GPUs of >= 70 GiB other than A100, else 2048,
+    # vllm/engine/arg_utils.py `get_batch_defaults`): the largest first chunk step_share
+    # prices.
+    step_budget_tokens: int = Field(8192, ge=1)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -409,6 +437,9 @@ class CostTable:
     previous: int | None = None  # candidate index whose cost got the continuity discount
     # Queue term (None: off): active prefill blocks beyond the least-queued candidate's.
     queue: list[float] | None = None
+    # Step sharing (None: off): requests before their first token x this request's first
+    # chunk, in blocks.
+    share: list[float] | None = None
     every: bool = False  # every candidate is eligible (position k is candidate k)
     _pos: dict[int, int] | None = None
 
@@ -483,13 +514,15 @@ def dynamo_costs(
     stale: Callable[[Worker], bool] | None = None,
     fleet: FleetInputs | None = None,
     native: bool = True,
+    block_size: int = 0,
 ) -> CostTable:
     """THE cost function (module doc) of each eligible candidate, term by term.
 
     `endpoints` are the candidates' endpoints (parallel to `candidates`); `eligible` the
     scored candidates' indices, ascending. `stale(w)` says whether w's cache signal is to
     be trusted less (a silent or gapped event stream). `fleet` feeds the block-life,
-    predicted-TTFT, continuity and session-spread terms (None: off).
+    predicted-TTFT, continuity and session-spread terms (None: off). `block_size`: tokens
+    per block (the step-sharing term's budget in blocks; 0: uncapped).
 
     Evaluated a term at a time over all candidates (one list per term, no per-candidate
     objects): the per-decision constants are hoisted and each column is one C-driven
@@ -584,7 +617,43 @@ def dynamo_costs(
         _fleet_terms(out, dc, opts, fleet, dup)
     if opts.queue_weight > 0.0 and n > 1:
         _queue_term(out, opts)
+    if opts.step_share > 0.0 and n > 1:
+        wq = table.waiting if every else [table.waiting[i] for i in eligible]
+        _share_term(out, opts, cands, wq, block_size)
     return out
+
+
+def _share_term(
+    out: CostTable,
+    opts: CostModelOptions,
+    cands: Sequence[Worker],
+    waiting: Sequence[float],
+    block_size: int,
+) -> None:
+    """The step-sharing term (module doc, "Step sharing") on `out.costs`."""
+    cap = opts.step_budget_tokens / block_size if block_size > 0 else math.inf
+    rb = out.request_blocks
+    share: list[float] = []
+    add_share = share.append
+    for w, wq, q, c, x in zip(cands, waiting, out.prefill, out.credit, out.weighted, strict=True):
+        p: float = w.inflight.prefill_requests
+        if wq > p:
+            p = wq
+        u = rb - c * x  # this request's uncached blocks there (CostTable.uncached)
+        if p > 0.0 and u > 0.0:
+            # Only the requests whose last chunk shares this request's first step: with
+            # more than a step's budget queued there, the ones in the last budget of it.
+            if q > cap:
+                p = p * cap / q
+            add_share(p * (u if u < cap else cap))
+        else:
+            add_share(0.0)
+    out.share = share
+    unit = opts.prefill_load_scale
+    if opts.unit == "ms" and out.fleet is not None:
+        unit = out.fleet.ms_per_block
+    wt = opts.step_share * unit
+    out.costs = [c + wt * x if x > 0.0 else c for c, x in zip(out.costs, share, strict=True)]
 
 
 def _queue_term(out: CostTable, opts: CostModelOptions) -> None:

@@ -376,6 +376,9 @@ def explanation_rows(
             if table.queue is not None:
                 for i, q in zip(table.eligible, table.queue, strict=True):
                     rows[i].queue_blocks = q
+            if table.share is not None:
+                for i, x in zip(table.eligible, table.share, strict=True):
+                    rows[i].share_blocks = x
             if table.fleet is not None:
                 # (table, candidate index): the row's terms are built when it is shown.
                 for i in table.eligible:

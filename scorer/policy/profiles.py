@@ -74,8 +74,8 @@ _COST = (
     "life_fade",
     "continuity", "continuity_own_blocks", "continuity_min_match", "session_spread",
     "session_weight",
-    "session_live_s", "session_rebalance", "queue_weight", "infer_conversations",
-    "conversation_spread", "max_conversations", "continuity_evicted",
+    "session_live_s", "session_rebalance", "queue_weight", "step_share", "step_budget_tokens",
+    "infer_conversations", "conversation_spread", "max_conversations", "continuity_evicted",
 )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ class WorkerLoad:
     requests: int = 0  # routed, not yet finished
     prefill_tokens: int = 0  # prompt tokens of requests still waiting for their first byte
     prefill_blocks: float = 0.0  # uncached prompt blocks still in prefill
+    prefill_requests: int = 0  # requests still waiting for their first byte
     decode_blocks: float = 0.0  # blocks held by requests that are decoding
     routed_total: int = 0
 
@@ -69,6 +70,7 @@ class InflightTracker:
         wl.routed_total += 1
         wl.prefill_tokens += prompt_tokens
         wl.prefill_blocks += prefill_blocks
+        wl.prefill_requests += 1
         self._flights[request_id] = _Flight(endpoint, prompt_tokens, prefill_blocks, total_blocks)
 
     def first_byte(self, request_id: str) -> None:
@@ -81,6 +83,7 @@ class InflightTracker:
         wl = self._counters(f.endpoint)
         wl.prefill_tokens -= f.prompt_tokens
         wl.prefill_blocks -= f.prefill_blocks
+        wl.prefill_requests -= 1
         wl.decode_blocks += f.total_blocks
 
     def generated(self, request_id: str, blocks: float) -> None:
@@ -113,6 +116,7 @@ class InflightTracker:
         if f.in_prefill:
             wl.prefill_tokens -= f.prompt_tokens
             wl.prefill_blocks -= f.prefill_blocks
+            wl.prefill_requests -= 1
         else:
             wl.decode_blocks -= f.total_blocks
         if wl.requests <= 0 and f.endpoint not in self._members:
@@ -129,6 +133,7 @@ class InflightTracker:
             wl.requests = 0
             wl.prefill_tokens = 0
             wl.prefill_blocks = 0.0
+            wl.prefill_requests = 0
             wl.decode_blocks = 0.0
         return len(gone)
 

@@ -140,6 +140,7 @@ class DynamoCost(Scorer):
             self.options,
             stale,
             self.fleet(cycle, matches) if self._fleet_on else None,
+            block_size=cycle.block_size,
         )
         cycle.cost = table
         cycle.stale_any = table.stale_any
