@@ -173,11 +173,19 @@ class Worker:
 class Scorer:
     """`kv-scorer serve` with a config written for the fleet; ports read from its log."""
 
-    def __init__(self, out: Path, workers: list[Worker], model_dir: Path, policy: str) -> None:
+    def __init__(
+        self,
+        out: Path,
+        workers: list[Worker],
+        model_dir: Path,
+        policy: str,
+        scrape_interval_s: float = 1.0,
+    ) -> None:
         self.out = out
         self.workers = workers
         self.model_dir = model_dir
         self.policy = policy
+        self.scrape_interval_s = scrape_interval_s
         self.proc: Proc | None = None
         self.extproc_port = 0
         self.admin_port = 0
@@ -209,8 +217,9 @@ class Scorer:
                     for w in self.workers
                 ],
             },
-            # 1 s scrapes: 5 a second flood vLLM's log and cost CPU the workers need.
-            "load": {"scrape_interval_s": 1.0, "stale_after_s": 5.0},
+            # 1 s scrapes by default: 5 a second flood vLLM's log and cost CPU the
+            # workers need (the load phase asks for faster ones; see phase_load).
+            "load": {"scrape_interval_s": self.scrape_interval_s, "stale_after_s": 5.0},
             "tokens": {"models": {MODEL: {"tokenizer": str(self.model_dir)}}},
             "decisions": {"log_size": 5000},
         }
