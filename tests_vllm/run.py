@@ -450,10 +450,11 @@ class Tier:
 
     def phase_load(self) -> None:
         """vLLM's counters against what the client knows (issue 13's phantom prefill)."""
-        # Its own scorer with 0.2 s scrapes (the default; the tier's other phases use 1 s):
-        # the checks need several scrapes while a 1,400-token stream decodes, and the tiny
-        # model decodes that in about a second on an idle machine.
-        sc = self.start_scorer("kv", scrape_interval_s=0.2)
+        # Its own scorer with 50 ms scrapes (the tier's other phases use 1 s): the checks
+        # need several scrapes while a 1,400-token stream decodes, and on an idle machine
+        # the tiny model decodes two of them in a few tenths of a second (0.2 s scrapes
+        # saw none running). The phase is short; vLLM serves /metrics at that rate.
+        sc = self.start_scorer("kv", scrape_interval_s=0.05)
         out = asyncio.run(self._load_checks(sc, self.workers[0]))
         self.results["phases"]["load"] = out
         dec = out["decoding"]
@@ -543,15 +544,21 @@ class Tier:
             url = w.url + "/v1/completions"
             # Two streams straight at the worker; every scrape after both first chunks
             # until the worker is idle must count 0 before their first token.
-            pair = [await start(url), await start(url)]
-            t_first = await first_of(*pair)
+            # A pair finished before any scrape saw it running says nothing: again (bounded).
             samples: list[dict[str, Any]] = []
-            for _ in range(300):  # bounded
-                row = await scrape_after(t_first if not samples else time.monotonic(), w.endpoint)
-                samples.append(row)
-                if row["running"] == 0 and row["waiting"] == 0:
+            for _ in range(5):
+                pair = [await start(url), await start(url)]
+                t_first = await first_of(*pair)
+                samples = []
+                for _ in range(300):  # bounded
+                    at = t_first if not samples else time.monotonic()
+                    row = await scrape_after(at, w.endpoint)
+                    samples.append(row)
+                    if row["running"] == 0 and row["waiting"] == 0:
+                        break
+                await end(*(t for t, _ in pair), abort=False)
+                if any(r["running"] > 0 for r in samples):
                     break
-            await end(*(t for t, _ in pair), abort=False)
             decoding = {
                 "samples": len(samples),
                 "seen_running": sum(1 for r in samples if r["running"] > 0),
@@ -565,24 +572,32 @@ class Tier:
             await end(finished[0], abort=False)
             after_finish = await wait_idle(w.endpoint)
             # Through Envoy (lean: nothing of the response reaches the scorer), with a
-            # second stream on the same worker so it decodes across several scrapes.
-            routed = await start(self.gateway + "/v1/completions")
-            t_first = await first_of(routed)
-            ep = str((sc.last_decision() or {}).get("endpoint"))
-            other = await start(f"http://{ep}/v1/completions")
-            row = {"endpoint": ep}
-            for n in (1, 2, 3):  # the correction needs two scrapes after the first token
-                await scrape_after(t_first, ep)
-                # The director applies a new page before its next decision (a dry run
-                # here), not when the page arrives: this is what the next request sees.
-                dry = {"model": MODEL, "prompt": "w1 w2 w3"}
-                async with session.post(sc.admin + "/debug/score", json=dry) as r:
-                    assert r.status == 200, await r.text()
-                row |= (await row_of(ep))[0] | {"scrapes_after_first_token": n}
-                if row["prefill_blocks"] == 0 or row["requests"] == 0:
+            # second stream on the same worker so it decodes across several scrapes. On
+            # an idle machine the tiny model can finish both before a scrape lands after
+            # the first token: the scorer then has ended the request (requests 0) and the
+            # attempt says nothing, so it is run again (bounded).
+            row: dict[str, Any] = {}
+            for attempt in range(1, 6):
+                routed = await start(self.gateway + "/v1/completions")
+                t_first = await first_of(routed)
+                ep = str((sc.last_decision() or {}).get("endpoint"))
+                other = await start(f"http://{ep}/v1/completions")
+                row = {"endpoint": ep, "attempt": attempt}
+                for n in (1, 2, 3):  # the correction needs two scrapes after the first token
+                    await scrape_after(t_first, ep)
+                    # The director applies a new page before its next decision (a dry run
+                    # here), not when the page arrives: this is what the next request sees.
+                    dry = {"model": MODEL, "prompt": "w1 w2 w3"}
+                    async with session.post(sc.admin + "/debug/score", json=dry) as r:
+                        assert r.status == 200, await r.text()
+                    row |= (await row_of(ep))[0] | {"scrapes_after_first_token": n}
+                    if row["prefill_blocks"] == 0 or row["requests"] == 0:
+                        break
+                    t_first = time.monotonic()
+                await end(routed[0], other[0])
+                if row["requests"] >= 1:
                     break
-                t_first = time.monotonic()
-            await end(routed[0], other[0])
+                await wait_idle(ep)
         return {
             "decoding": decoding,
             "after_abort": after_abort,
