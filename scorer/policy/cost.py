@@ -649,11 +649,7 @@ def _share_term(
         else:
             add_share(0.0)
     out.share = share
-    unit = opts.prefill_load_scale
-    if opts.unit == "ms" and out.fleet is not None:
-        unit = out.fleet.ms_per_block
-    wt = opts.step_share * unit
-    out.costs = [c + wt * x if x > 0.0 else c for c, x in zip(out.costs, share, strict=True)]
+    _add_prefill_blocks(out, opts, opts.step_share, share)
 
 
 def _queue_term(out: CostTable, opts: CostModelOptions) -> None:
@@ -662,12 +658,20 @@ def _queue_term(out: CostTable, opts: CostModelOptions) -> None:
     lo = min(pf)
     extra = [p - lo for p in pf]
     out.queue = extra
+    _add_prefill_blocks(out, opts, opts.queue_weight, extra)
+
+
+def _add_prefill_blocks(
+    out: CostTable, opts: CostModelOptions, weight: float, blocks: Sequence[float]
+) -> None:
+    """`out.costs` += weight x one prefill block's price x `blocks` (per candidate): the
+    queue and step-sharing terms, added after the fleet terms."""
     unit = opts.prefill_load_scale
     if opts.unit == "ms" and out.fleet is not None:
-        # One block of queue in ms: the fitted prefill ms per block (the ms unit's scale).
+        # One prefill block in ms: the fitted prefill ms per block (the ms unit's scale).
         unit = out.fleet.ms_per_block
-    w = opts.queue_weight * unit
-    out.costs = [c + w * x if x > 0.0 else c for c, x in zip(out.costs, extra, strict=True)]
+    w = weight * unit
+    out.costs = [c + w * x if x > 0.0 else c for c, x in zip(out.costs, blocks, strict=True)]
 
 
 def _fleet_terms(
