@@ -66,7 +66,7 @@ Step sharing (option `step_share`; issue 13, TTFT end to end):
 
     chunk_i  = min(uncached_i, step_budget_tokens / block_size)            (blocks)
     share_i  = pending_i * chunk_i
-    cost_i  += step_share * prefill_load_scale * share_i        (after the fleet terms)
+    cost_i  += step_share * prefill_load_scale * share_i  (before continuity and spreads)
 
 pending_i: the requests candidate i holds before their first token (the router's count,
 or the fresh scrape's waiting when larger). With vLLM v1's chunked prefill a step computes
@@ -77,9 +77,14 @@ their first tokens waits for it. The prefill term prices only this request's own
 this prices what its first chunk adds to the others'. A fully cached continuation adds
 ~nothing; a long new prompt is kept away from a worker where short cached turns wait.
 With more than a step's budget queued, only the requests in the last budget of the queue
-share its step: pending_i x= min(1, budget_blocks / active_prefill_i). Off by default: it
-closes the prefill-stage gap end to end but costs hit rate on Mooncake
-(docs/policy.md, "Step sharing").
+share its step: pending_i x= min(1, budget_blocks / active_prefill_i). The term enters
+the cost before the continuity discount and the session / conversation spreads (with the
+fleet terms; without them, alone): the previous turn's worker gets its discount on it
+too, and a worker hosting more conversations pays it scaled like the rest of its cost.
+Added after them it cost hit rate: it moved conversations whose context was evicted off
+their worker and put new prompts among conversations between turns, whose contexts the
+new prompts' writes then evicted (docs/policy.md, "Step sharing"). On in `kv` (1), off
+in the base options and `approx`.
 """
 
 from __future__ import annotations
@@ -218,7 +223,7 @@ class CostModelOptions(PolicyOptions):
     queue_weight: float = Field(0.0, ge=0)
     # Step sharing (module doc, "Step sharing"): cost per block of this request's first
     # prompt chunk per request the candidate holds before its first token, x
-    # prefill_load_scale, added after the fleet terms. 0: off.
+    # prefill_load_scale, added before continuity and the spreads. 0: off (kv: 1).
     step_share: float = Field(0.0, ge=0)
     # Prompt tokens an engine step computes at most (vLLM's max_num_batched_tokens: the
     # OpenAI server's default is 8192 on GPUs of >= 70 GiB other than A100, else 2048,
@@ -613,13 +618,15 @@ def dynamo_costs(
             pls * (p if (p := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
             for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
         ]
-    if fleet is not None:
-        _fleet_terms(out, dc, opts, fleet, dup)
-    if opts.queue_weight > 0.0 and n > 1:
-        _queue_term(out, opts)
     if opts.step_share > 0.0 and n > 1:
         wq = table.waiting if every else [table.waiting[i] for i in eligible]
         _share_term(out, opts, cands, wq, block_size)
+    if fleet is not None:
+        _fleet_terms(out, dc, opts, fleet, dup)
+    elif out.share is not None:
+        _add_prefill_blocks(out, opts, opts.step_share, out.share)
+    if opts.queue_weight > 0.0 and n > 1:
+        _queue_term(out, opts)
     return out
 
 
@@ -630,7 +637,9 @@ def _share_term(
     waiting: Sequence[float],
     block_size: int,
 ) -> None:
-    """The step-sharing term (module doc, "Step sharing") on `out.costs`."""
+    """The step-sharing term's blocks per candidate (module doc, "Step sharing") into
+    `out.share`; added to the costs with the fleet terms (before continuity and the
+    spreads), or alone without them."""
     cap = opts.step_budget_tokens / block_size if block_size > 0 else math.inf
     rb = out.request_blocks
     share: list[float] = []
@@ -649,7 +658,6 @@ def _share_term(
         else:
             add_share(0.0)
     out.share = share
-    _add_prefill_blocks(out, opts, opts.step_share, share)
 
 
 def _queue_term(out: CostTable, opts: CostModelOptions) -> None:
@@ -662,14 +670,19 @@ def _queue_term(out: CostTable, opts: CostModelOptions) -> None:
 
 
 def _add_prefill_blocks(
-    out: CostTable, opts: CostModelOptions, weight: float, blocks: Sequence[float]
+    out: CostTable,
+    opts: CostModelOptions,
+    weight: float,
+    blocks: Sequence[float],
+    fleet: FleetInputs | None = None,
 ) -> None:
     """`out.costs` += weight x one prefill block's price x `blocks` (per candidate): the
-    queue and step-sharing terms, added after the fleet terms."""
+    queue term (after the fleet terms) and the step-sharing term (inside them)."""
     unit = opts.prefill_load_scale
-    if opts.unit == "ms" and out.fleet is not None:
+    fleet = fleet if fleet is not None else out.fleet
+    if opts.unit == "ms" and fleet is not None:
         # One prefill block in ms: the fitted prefill ms per block (the ms unit's scale).
-        unit = out.fleet.ms_per_block
+        unit = fleet.ms_per_block
     w = weight * unit
     out.costs = [c + w * x if x > 0.0 else c for c, x in zip(out.costs, blocks, strict=True)]
 
@@ -697,6 +710,14 @@ def _fleet_terms(
             t + dms * (d + rb) + per_block * x for t, d, x in zip(ttft, dc, dup_cost, strict=True)
         ]
         out.ttft = ttft
+    if out.share is not None:
+        # Step sharing, before continuity and the spreads: the previous turn's worker gets
+        # the discount on it too, and a new conversation's spread scales it (docs/policy.md
+        # "Step sharing": added after them it placed new prompts among the conversations
+        # between turns, whose contexts they then evicted).
+        out.costs = costs
+        _add_prefill_blocks(out, opts, opts.step_share, out.share, fleet)
+        costs = out.costs
     c = opts.continuity
     prev = fleet.previous
     left = fleet.left

@@ -47,6 +47,7 @@ PLAIN_KV = {
     "session_spread": 0.0,
     "infer_conversations": False,
     "continuity_evicted": 0.0,
+    "step_share": 0.0,
 }
 
 

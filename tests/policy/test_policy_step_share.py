@@ -113,3 +113,45 @@ def test_tracker_counts_requests_before_their_first_byte() -> None:
     t.routed("r4", "b:1", 32, 2.0, 2.0)
     assert t.drop_endpoint("b:1") == 2
     assert b.prefill_requests == 0
+
+
+def test_evicted_conversation_pays_the_term_inside_its_continuity_discount() -> None:
+    """kv's defaults (continuity_evicted 0.3), a conversation whose 12-block turn finds
+    its context evicted; its previous worker holds one short request before its first
+    token, the other worker is idle. Plain: previous 0.7 x (10 x (1 + 12) + 12) = 99.4,
+    other 10 x 12 + 12 = 132. The term (1 request x the 4-block chunk x 10 = 40) enters
+    before the discount: 0.7 x 182 = 127.4, and the turn stays (added after it, 139.4
+    moved the conversation off its worker: the new prompts' writes there then evicted
+    the contexts of the conversations between turns, docs/policy.md "Step sharing")."""
+    got = []
+    for share in (0.0, 1.0):
+        s = make(
+            2,
+            options={"speculative": False, "step_budget_tokens": 64, "step_share": share},
+            plain=False,
+        )
+        k = keys(12)
+        prev = s.endpoints.index(s.policy.decide(request(k[:10]), list(s.pool)).endpoint)
+        w = s.pool.workers[endpoint(prev)].inflight
+        w.prefill_blocks, w.prefill_requests, w.requests = 1.0, 1, 1
+        d = s.policy.decide(request(k), list(s.pool))
+        rows = {c.endpoint: c for c in d.candidates}
+        assert rows[endpoint(prev)].as_dict()["terms"]["evicted"] is True
+        got.append((rows[endpoint(prev)].cost, rows[endpoint(1 - prev)].cost, d.endpoint))
+        assert d.endpoint == endpoint(prev)
+    assert got[0][:2] == (pytest.approx(99.4), pytest.approx(132.0))
+    assert got[1][:2] == (pytest.approx(127.4), pytest.approx(132.0))
+
+
+def test_kv_prices_step_sharing_by_default() -> None:
+    """kv's shipped options: a new 10-block prompt leaves the worker where a short
+    request waits for its first token (cheaper by 2 blocks of decode without the term)
+    for the idle one; `approx` keeps the plain cost."""
+    for policy, want in (("kv", 1), ("approx", 0)):
+        s = make(2, policy, options={"step_budget_tokens": 64}, plain=False)
+        w = s.pool.workers[endpoint(0)].inflight
+        w.prefill_blocks, w.prefill_requests, w.requests = 1.0, 1, 1
+        s.pool.workers[endpoint(1)].inflight.decode_blocks = 20.0
+        d = s.policy.decide(request(keys(10, base=77)), list(s.pool))
+        assert d.endpoint == endpoint(want)
+        assert {c.endpoint: c.share_blocks for c in d.candidates}[endpoint(0)] == 4.0 * want
