@@ -34,6 +34,7 @@ from scorer.extproc import wire
 from scorer.extproc.servicer import PROCESS_PATH
 from scorer.extproc.transport import H2Connection
 from scorer.extproc.transport import frames as F
+from scorer.native import NATIVE
 
 PM = processing_mode_pb2.ProcessingMode
 SIZES = st.one_of(st.integers(0, 300), st.sampled_from([127, 128, 16_379, 16_384, 70_000]))
@@ -351,14 +352,32 @@ async def exchange(
     window: int = 1 << 24,
     per_frame: bool = False,
     state: dict[str, int] | None = None,
+    lane: bool = True,
+    lane_taken: list[bool] | None = None,
 ) -> tuple[bytes, bytes]:
     """One ext_proc stream through a fresh connection: the request (routed), then `msgs`
     as the response phase, then the end of the stream. Returns (bytes written during the
-    request phase, during the response phase). `taken`: what the fast path answered."""
+    request phase, during the response phase). `taken`: what the fast path answered.
+    `lane` False: the compiled chunk lane (`chunk_lane`) off, the Python answerer only;
+    `lane_taken`: what the compiled lane answered."""
     taken = [] if taken is None else taken
     server = app.extproc_h2
     assert server is not None
     conn = H2Connection(server)
+    compiled = conn.chunk_lane if lane and fast else None
+    if compiled is not None:
+
+        def lane_counted(*a: Any) -> bool:
+            took = compiled(*a)
+            if took:
+                taken.append(True)
+                if lane_taken is not None:
+                    lane_taken.append(True)
+            return took
+
+        conn.chunk_lane = lane_counted
+    else:
+        conn.chunk_lane = None
     t = Recorder()
     conn.connection_made(t)
     settings_ = F.settings_payload(((F.S_INITIAL_WINDOW_SIZE, window),))
@@ -596,14 +615,16 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
         msgs.append(TRAILERS)
     mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
     results = []
-    for fast in (True, False):
+    # The compiled chunk lane with the Python answerer, the Python answerer alone (the
+    # lane's reference), the protobuf path (the answerer's reference).
+    for fast, lane in ((True, True), (True, False), (False, False)):
         calls.clear()
         state: dict[str, int] = {}
         req, resp = loop.run_until_complete(
             exchange(
                 app,
                 fast,
-                f"r-{fast}",
+                f"r-{fast}-{lane}",
                 mode,
                 msgs,
                 cuts,
@@ -611,17 +632,88 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
                 window=window,
                 per_frame=per_frame,
                 state=state,
+                lane=lane,
             )
         )
         results.append((req, answers(resp), list(calls), state))
-    (req_f, (ans_f, credit_f), calls_f, state_f), (req_r, (ans_r, credit_r), calls_r, state_r) = (
-        results
+    (req_c, (ans_c, credit_c), calls_c, state_c) = results[0]
+    for req_r, (ans_r, credit_r), calls_r, state_r in results[1:]:
+        assert state_c == state_r
+        assert req_c == req_r
+        assert ans_c == ans_r
+        assert credit_c == credit_r
+        assert calls_c == calls_r
+
+
+@settings(max_examples=scaled(80))
+@given(
+    duplex=st.booleans(),
+    chunks=st.lists(_chunk, min_size=1, max_size=6),
+    window=st.sampled_from([1 << 24, 1 << 24, 400]),
+)
+@example(duplex=True, chunks=[(0, True, "none", b"")], window=1 << 24)  # the empty last chunk
+@example(  # Envoy's chunk shapes with metadata, one- and two-byte lengths
+    duplex=True,
+    chunks=[(127, False, "metadata long", b""), (128, False, "metadata served", b"")],
+    window=1 << 24,
+)
+@example(duplex=False, chunks=[(5, False, "none", b""), (0, True, "none", b"")], window=400)
+@example(  # shapes the lane leaves to the Python answerer, between ones it takes
+    duplex=True,
+    chunks=[(3, False, "unknown len", b""), (70_000, False, "none", b""), (4, True, "none", b"")],
+    window=1 << 24,
+)
+def test_compiled_chunk_lane_matches_the_python_answerer(
+    rig: Any, duplex: bool, chunks: list[tuple[int, bool, str, bytes]], window: int
+) -> None:
+    """Every chunk in a DATA frame and a read of its own (how Envoy forwards them), through
+    the compiled lane (scorer/native/_speedups.pyx `chunk_lane`) and through the Python
+    answerer alone: the same answer bytes, WINDOW_UPDATEs, accounting and director calls."""
+    loop, app, calls = rig
+    msgs = [resp_headers_raw("200", False, None)]
+    msgs += [
+        chunk_raw(_body(n, i), end, extra, inner) for i, (n, end, extra, inner) in enumerate(chunks)
+    ]
+    mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
+    results = []
+    for lane in (True, False):
+        calls.clear()
+        state: dict[str, int] = {}
+        req, resp = loop.run_until_complete(
+            exchange(
+                app, True, f"c-{lane}", mode, msgs, [], [], window=window, per_frame=True,
+                state=state, lane=lane,
+            )
+        )  # fmt: skip
+        results.append((req, answers(resp), list(calls), state))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("duplex", [True, False])
+def test_envoy_chunk_frames_take_the_compiled_lane(rig: Any, duplex: bool) -> None:
+    """Envoy's chunk frames (body, metadata_context, the empty last chunk), one per read,
+    are answered by the compiled lane, not only safely left to Python."""
+    assert NATIVE is not None  # `make` builds it (tests/index/test_native.py checks the build)
+    loop, app, calls = rig
+    msgs = [resp_headers_raw("200", False, None)]
+    msgs += [chunk_raw(_body(n, n), False, "none") for n in (1, 127, 128, 3000)]
+    msgs += [chunk_raw(_body(9), False, "metadata served"), chunk_raw(b"", True, "none")]
+    mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
+    app.extproc._valid_meta.clear()  # the metadata value is new to this test
+    calls.clear()
+    taken: list[bool] = []
+    lane_taken: list[bool] = []
+    loop.run_until_complete(
+        exchange(
+            app, True, "envoy", mode, msgs, [], [], taken, per_frame=True, lane_taken=lane_taken
+        )
     )
-    assert state_f == state_r
-    assert req_f == req_r
-    assert ans_f == ans_r
-    assert credit_f == credit_r
-    assert calls_f == calls_r
+    # The headers and the first metadata value (checked once by protobuf) go to Python.
+    assert taken == [True] * len(msgs)
+    assert len(lane_taken) == len(msgs) - 2
+    bodies = [_body(n, n) for n in (1, 127, 128, 3000)] + [_body(9), b""]
+    ends = [False] * 5 + [True]
+    assert [c[1] for c in calls if c[0] == "response_chunk"] == list(zip(bodies, ends, strict=True))
 
 
 @pytest.mark.parametrize("duplex", [True, False])
@@ -702,7 +794,7 @@ def test_headers_and_trailers_are_told_by_their_first_byte(
     taken: list[bool] = []
     calls.clear()
     loop.run_until_complete(
-        exchange(app, True, "tags", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken)
+        exchange(app, True, "tags", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken, lane=False)
     )
     assert taken == [True, True, True]
     assert walked == [("body_chunk", 0x2A)]
