@@ -319,9 +319,10 @@ class H2Connection(asyncio.BufferedProtocol):
             if lt & 0xFF == DATA and not flags and length > 5 and not self.cont_sid:
                 # The one-message lane: a DATA frame without flags holding one whole
                 # message, Envoy's usual frame. For a stream answered in the frame loop
-                # (H2Stream.on_message: a response chunk) `one_message` answers it, else
-                # `queue_message` queues it for the handler; either changes nothing when
-                # it does not apply (then on_frame takes the same frame).
+                # (H2Stream.on_message: a response chunk) the compiled `chunk_lane`, then
+                # `one_message`, answers it, else `queue_message` queues it for the
+                # handler; each changes nothing when it does not apply (then the next, or
+                # on_frame, takes the same frame).
                 s = streams.get(sid & 0x7FFFFFFF)
                 if s is not None and (
                     (
