@@ -27,7 +27,8 @@ each timed call adds the timer's own ~0.5 µs):
 - director: the director's hooks (new_request, request_received, response_started,
             response_chunk, response_ended)
 - encode:   protobuf serialization + DATA framing of the answers (H2Stream.write /
-            write_now) or the wire encoder
+            write_now) or the wire encoder; a response chunk's compiled lane
+            (scorer/native/_speedups.pyx `chunk_lane`: its read, answer and accounting)
 - write:    transport.write (one per batch of frames: a send() on the TCP socket)
 - other:    the rest until the answer was written: event-loop turns, task switches, the
             servicer's own code
@@ -68,6 +69,7 @@ from scorer.extproc import wire  # noqa: E402
 from scorer.extproc.servicer import PROCESS_PATH  # noqa: E402
 from scorer.extproc.tls import self_signed, server_context  # noqa: E402
 from scorer.extproc.transport import H2Connection, H2Stream  # noqa: E402
+from scorer.extproc.transport import connection as conn_mod  # noqa: E402
 from scorer.extproc.transport import frames as F  # noqa: E402
 from scorer.extproc.transport.tls_transport import TlsTransport  # noqa: E402
 
@@ -250,8 +252,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     d.request_received = clock.wrap_async("director", d.request_received)  # type: ignore[method-assign]
     H2Stream.write = clock.wrap_async("encode", H2Stream.write)  # type: ignore[method-assign]
     H2Stream.write_now = clock.wrap("encode", H2Stream.write_now)  # type: ignore[method-assign]
+    if conn_mod.CHUNK_LANE is not None:
+        # The compiled chunk lane reads the chunk, builds its answer and queues it in one
+        # call: timed as encode.
+        conn_mod.CHUNK_LANE = clock.wrap("encode", conn_mod.CHUNK_LANE)
     if args.reference:
-        H2Stream.on_message = lambda self, fast: None  # type: ignore[method-assign]
+        H2Stream.on_message = lambda self, fast, lane=None: None  # type: ignore[method-assign]
     H2Connection.data_received = clock.wrap("frame", H2Connection.data_received)  # type: ignore[method-assign]
     assert director_mod  # the module stays imported for its hooks
 

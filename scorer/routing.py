@@ -103,6 +103,9 @@ class CandidateScore:
     # Requests before their first token there x this request's first chunk in blocks (the
     # cost's step_share term; 0 when that term is off).
     share_blocks: float = 0.0
+    # Blocks of the best cached prefix a request opening a new session would write again
+    # here (the cost's shared_copy term; 0 when that term is off or did not apply).
+    copy_blocks: float = 0.0
     # The cost's fleet terms (predicted TTFT, block life, previous turn), when the cost
     # computed them: (scorer.policy.cost.CostTable, candidate index), built into a
     # CandidateTerms only when the row is shown.
@@ -128,6 +131,7 @@ class CandidateScore:
             "duplicate_blocks": round(self.duplicate_blocks, 2),
             "queue_blocks": round(self.queue_blocks, 2),
             "share_blocks": round(self.share_blocks, 2),
+            "copy_blocks": round(self.copy_blocks, 2),
             **self._terms(),
         }
 

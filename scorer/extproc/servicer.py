@@ -367,7 +367,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         on_message = None
         if isinstance(context, H2Stream):  # our transport (grpc.aio has no such hook)
             on_message = context.on_message
-            on_message(self._answerer(rid, context, duplex, bodies))
+            lane = (
+                duplex,
+                self._continue_response_body_wire,
+                self._valid_meta,
+                director.response_chunk,
+                rid,
+            )
+            on_message(self._answerer(rid, context, duplex, bodies), lane)
         try:
             while True:
                 m = await context.read()

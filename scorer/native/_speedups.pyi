@@ -94,3 +94,6 @@ def media_depths(
 def depth_matches(
     counts: dict[int, int], bit_ep: list[str], cache: dict[int, Any], make: Callable[[int], Any]
 ) -> dict[str, Any]: ...
+def chunk_lane(
+    conn: Any, s: Any, data: bytes, start: int, end: int, lane: tuple[Any, ...]
+) -> bool: ...

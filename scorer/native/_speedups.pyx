@@ -1468,3 +1468,191 @@ def json_ids_u32(buf, Py_ssize_t pos):
     finally:
         PyMem_Free(out)
         PyBuffer_Release(&view)
+
+
+# ---------------------------------------------------------------- ext_proc response chunks
+# `chunk_lane` is `H2Connection.one_message` + the servicer's answerer (`_answerer`'s
+# body-chunk case: `wire.body_chunk`'s common shapes, `wire.streamed_body_response`,
+# `H2Stream.write_now`, `after_write`) + `grant`, for the one frame shape Envoy sends per
+# streamed response chunk. It decides from the same state, changes the same state in the
+# same order and writes the same bytes; whenever anything is off the common case it
+# returns False having changed nothing, and the Python path (the reference) takes the frame.
+
+cdef Py_ssize_t _RECV_WINDOW = 8 * 1024 * 1024  # scorer/extproc/transport/limits.py
+cdef Py_ssize_t _CONN_RECV_WINDOW = 16 * 1024 * 1024
+cdef uint8_t _TAG_RESPONSE_BODY = (5 << 3) | 2  # ProcessingRequest.response_body, LEN
+cdef uint8_t _TAG_METADATA = (8 << 3) | 2  # ProcessingRequest.metadata_context, LEN
+cdef uint8_t _TAG_RESP_RESPONSE_BODY = (4 << 3) | 2  # ProcessingResponse.response_body
+
+
+cdef inline Py_ssize_t _vlen(Py_ssize_t x) noexcept nogil:
+    cdef Py_ssize_t k = 1
+    while x >= 0x80:
+        x >>= 7
+        k += 1
+    return k
+
+
+cdef inline uint8_t* _put_varint(uint8_t* o, Py_ssize_t x) noexcept nogil:
+    while x >= 0x80:
+        o[0] = <uint8_t>((x & 0x7F) | 0x80)
+        x >>= 7
+        o += 1
+    o[0] = <uint8_t>x
+    return o + 1
+
+
+def chunk_lane(conn, s, object data, Py_ssize_t start, Py_ssize_t end, tuple lane):
+    """Answer the DATA frame payload `data[start:end]` (no flags) on stream `s` of
+    H2Connection `conn` when it is one whole gRPC message holding a response-body chunk in
+    a common shape; `lane` = (duplex, continue_body bytes, valid_meta set,
+    director.response_chunk, request id). True: answered and accounted exactly as
+    `one_message` with the servicer's answerer would; False: nothing changed."""
+    if type(data) is not bytes or not conn.receiving:
+        return False  # (outside data_received the director's part would run inside)
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t flow_len = end - start
+    cdef Py_ssize_t b = start + 5  # the message
+    cdef Py_ssize_t n, pos, hb_end, ml, q, m, after, st, bq = 0, blen = 0
+    cdef bint eos = False
+    cdef object meta = b""
+    if flow_len <= 5 or end > len(data) or p[start] != 0 or <Py_ssize_t>kv_be32(p + start + 1) + 5 != flow_len:
+        return False
+    if flow_len - 5 > conn.server.max_message:
+        return False
+    if s._half_closed or s._buf or s._msgs or s._sizes is None:
+        return False
+    if s._unacked + flow_len > _RECV_WINDOW or conn.recv_unacked + flow_len > _CONN_RECV_WINDOW:
+        return False
+    w = s._waiter
+    if w is None or w.done() or s.fast is None:
+        return False
+    # wire.body_chunk's fast shapes (field 5), relative to the message at `b`.
+    if not (end - b > 3 and p[b] == _TAG_RESPONSE_BODY):
+        return False
+    n = p[b + 1]
+    pos = b + 2
+    if n >= 0x80 and p[b + 2] < 0x80:
+        n = (n & 0x7F) | (<Py_ssize_t>p[b + 2] << 7)
+        pos = b + 3
+    hb_end = pos + n
+    if not ((n < 0x80 or pos == b + 3) and n > 1 and hb_end <= end):
+        return False
+    if hb_end < end:
+        ml = p[hb_end + 1] if hb_end + 1 < end else -1
+        st = hb_end + 2
+        if ml >= 0x80:
+            if st < end and p[st] < 0x80:
+                ml = (ml & 0x7F) | (<Py_ssize_t>p[st] << 7)
+                st += 1
+            else:
+                return False
+        if p[hb_end] == _TAG_METADATA and ml >= 0 and st + ml == end:
+            meta = PyBytes_FromStringAndSize(<const char*>p + st, end - st)
+        else:
+            return False
+    if p[pos] == 0x0A:
+        m = p[pos + 1]
+        q = pos + 2
+        if m >= 0x80 and q < hb_end and p[q] < 0x80:
+            m = (m & 0x7F) | (<Py_ssize_t>p[q] << 7)
+            q += 1
+        if not (m and (m < 0x80 or q == pos + 3)):
+            return False
+        after = q + m
+        if after == hb_end:
+            eos = False
+        elif after + 2 == hb_end and p[after] == 0x10 and p[after + 1] == 1:
+            eos = True
+        else:
+            return False
+        bq = q
+        blen = m
+    elif n == 2 and p[pos] == 0x10 and p[pos + 1] == 1:
+        eos = True
+    else:
+        return False
+    duplex, continue_body, valid_meta, response_chunk, rid = lane
+    if meta and meta not in <set>valid_meta:
+        return False  # the Python path checks (and remembers) a new value
+    # The answer's size (H2Stream.write_now's checks), before building it.
+    cdef Py_ssize_t l0 = 0, l1 = 0, l2 = 0, l3 = 0, msg
+    if duplex:
+        l0 = (1 + _vlen(blen) if blen else 0) + blen + (2 if eos else 0)
+        l1 = 1 + _vlen(l0) + l0
+        l2 = 1 + _vlen(l1) + l1
+        l3 = 1 + _vlen(l2) + l2
+        msg = 1 + _vlen(l3) + l3
+    else:
+        msg = len(<bytes>continue_body)
+    cdef Py_ssize_t total = msg + 5
+    if (
+        total > conn.peer_max_frame
+        or total > conn.send_window
+        or total > conn.peer_initial_window + s.send_credit
+        or conn.write_paused is not None
+        or s._done
+        or not s._headers_sent
+    ):
+        return False
+    body = PyBytes_FromStringAndSize(<const char*>p + bq, blen) if blen else b""
+    out = PyBytes_FromStringAndSize(NULL, 9 + total)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+    cdef Py_ssize_t sid = s.sid
+    # DATA frame header (length, type 0, flags 0, stream id) and the gRPC prefix.
+    o[0] = <uint8_t>(total >> 16); o[1] = <uint8_t>(total >> 8); o[2] = <uint8_t>total
+    o[3] = 0; o[4] = 0
+    o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
+    o[8] = <uint8_t>sid
+    o[9] = 0
+    o[10] = <uint8_t>(msg >> 24); o[11] = <uint8_t>(msg >> 16); o[12] = <uint8_t>(msg >> 8)
+    o[13] = <uint8_t>msg
+    o += 14
+    if duplex:
+        # wire._streamed_head, then the body, then end_of_stream.
+        o[0] = _TAG_RESP_RESPONSE_BODY
+        o = _put_varint(o + 1, l3)
+        o[0] = 0x0A
+        o = _put_varint(o + 1, l2)
+        o[0] = 0x1A
+        o = _put_varint(o + 1, l1)
+        o[0] = 0x1A
+        o = _put_varint(o + 1, l0)
+        if blen:
+            o[0] = 0x0A
+            o = _put_varint(o + 1, blen)
+            memcpy(o, p + bq, blen)
+            o += blen
+        if eos:
+            o[0] = 0x10
+            o[1] = 1
+    else:
+        memcpy(o, PyBytes_AS_STRING(<bytes>continue_body), msg)
+    # conn.send (inside data_received: one write at its end), the windows.
+    if not conn.closed:
+        (<list>conn.out).append(out)
+    conn.send_window -= total
+    s.send_credit -= total
+    # after_write(director.response_chunk, rid, body, eos): once the answers are written.
+    (<list>conn.deferred).append((s, response_chunk, (rid, body, eos)))
+    # one_message's accounting.
+    conn.recv_unacked += flow_len
+    s._unacked += flow_len
+    if conn.owed:
+        conn.release(s, 0)
+    big = conn.big_sid == sid
+    if conn.buffered <= conn.limits.max_buffered or big:
+        cc = conn.conn_credit + flow_len
+        c = s._credit + flow_len
+        if cc < _CONN_RECV_WINDOW // 4 and c < _RECV_WINDOW // 4:
+            conn.conn_credit = cc
+            s._credit = c
+        else:
+            conn.grant(s, flow_len)
+    else:
+        s._owed += flow_len
+        conn.owed += flow_len
+        conn.owing.add(s)
+    if big:
+        conn.big_sid = 0
+    return True

@@ -85,6 +85,19 @@ Added after them it cost hit rate: it moved conversations whose context was evic
 their worker and put new prompts among conversations between turns, whose contexts the
 new prompts' writes then evicted (docs/policy.md, "Step sharing"). On in `kv` (1), off
 in the base options and `approx`.
+
+Shared-prefix copy (option `shared_copy`, off by default; issue 13, the rag workload):
+
+    copy_i  = best_overlap - weighted_overlap_i                        (blocks)
+    cost_i += shared_copy / turns * prefill_load_scale * copy_i   (after the fleet terms)
+
+only for a request opening a named session (the one the duplicate term skips and
+session_spread places; not a session_rebalance move); turns: the mean requests per named
+session this router has seen. Spreading new sessions copies a shared prefix (an app's
+system prompt) onto every worker they open on; the spread multiplies the whole cost, so
+with few live sessions (x 2 per session at the start) it outweighs any recompute. This
+prices the copy once per session, outside the spread; a session of many turns spreads
+its load over all of them and pays it once, hence the amortisation.
 """
 
 from __future__ import annotations
@@ -230,6 +243,11 @@ class CostModelOptions(PolicyOptions):
     # vllm/engine/arg_utils.py `get_batch_defaults`): the largest first chunk step_share
     # prices.
     step_budget_tokens: int = Field(8192, ge=1)
+    # Shared-prefix copy (module doc, "Shared-prefix copy"): a request opening a new
+    # session (where the duplicate term is off and session_spread places it) pays this
+    # per block of the best eligible candidate's cached prefix it would write again
+    # elsewhere, x prefill_load_scale, added after the spread. 0: off.
+    shared_copy: float = Field(0.0, ge=0)
 
 
 class CostOptions(BusyOptions, CostModelOptions):
@@ -368,6 +386,9 @@ class FleetInputs:
     # A request without a session id, recognised (infer_conversations): "new" (it opens a
     # conversation) or "continued"; None: a session id, or inference off.
     conversation: str | None = None
+    # Mean requests per named session (shared_copy amortises a new session's copy over
+    # them; 1.0: not a new session, or none seen).
+    session_turns: float = 1.0
 
     def ttft_ms(self, queued_tokens: float) -> float:
         """Predicted prefill ms of `queued_tokens` (PrefillModel.estimate's arithmetic)."""
@@ -445,6 +466,9 @@ class CostTable:
     # Step sharing (None: off): requests before their first token x this request's first
     # chunk, in blocks.
     share: list[float] | None = None
+    # Shared-prefix copy (None: off or not a new session): blocks of the best cached
+    # prefix this candidate would write again.
+    copy: list[float] | None = None
     every: bool = False  # every candidate is eligible (position k is candidate k)
     _pos: dict[int, int] | None = None
 
@@ -623,6 +647,14 @@ def dynamo_costs(
         _share_term(out, opts, cands, wq, block_size)
     if fleet is not None:
         _fleet_terms(out, dc, opts, fleet, dup)
+        if (
+            opts.shared_copy > 0.0
+            and fleet.sessions is not None
+            and fleet.left is None
+            and any_match
+            and n > 1
+        ):
+            _copy_term(out, opts, fleet.session_turns)
     elif out.share is not None:
         _add_prefill_blocks(out, opts, opts.step_share, out.share)
     if opts.queue_weight > 0.0 and n > 1:
@@ -658,6 +690,20 @@ def _share_term(
         else:
             add_share(0.0)
     out.share = share
+
+
+def _copy_term(out: CostTable, opts: CostModelOptions, turns: float) -> None:
+    """The shared-prefix copy term (module doc, "Shared-prefix copy") on `out.costs`:
+    a new session's blocks of the best cached prefix that a candidate would write again,
+    priced after the session spread so the spread does not scale it."""
+    held = out.weighted
+    if out.stale_any and out.stale is not None:
+        sc = opts.stale_credit
+        held = [w * sc if s else w for w, s in zip(held, out.stale, strict=True)]
+    best = max(held)
+    copy = [best - h for h in held]
+    out.copy = copy
+    _add_prefill_blocks(out, opts, opts.shared_copy / max(turns, 1.0), copy)
 
 
 def _queue_term(out: CostTable, opts: CostModelOptions) -> None:

@@ -379,6 +379,9 @@ def explanation_rows(
             if table.share is not None:
                 for i, x in zip(table.eligible, table.share, strict=True):
                     rows[i].share_blocks = x
+            if table.copy is not None:
+                for i, x in zip(table.eligible, table.copy, strict=True):
+                    rows[i].copy_blocks = x
             if table.fleet is not None:
                 # (table, candidate index): the row's terms are built when it is shown.
                 for i in table.eligible:

@@ -79,6 +79,7 @@ _COST = (
     "continuity", "continuity_own_blocks", "continuity_min_match", "session_spread",
     "session_weight",
     "session_live_s", "session_rebalance", "queue_weight", "step_share", "step_budget_tokens",
+    "shared_copy",
     "infer_conversations", "conversation_spread", "max_conversations", "continuity_evicted",
 )  # fmt: skip
 

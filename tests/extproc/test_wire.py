@@ -14,6 +14,7 @@ Property tests are derandomized in `make test`; counterexamples are kept as @exa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -32,8 +33,10 @@ from scorer.app import App
 from scorer.extproc import protocol as P
 from scorer.extproc import wire
 from scorer.extproc.servicer import PROCESS_PATH
-from scorer.extproc.transport import H2Connection
+from scorer.extproc.transport import H2Connection, H2Stream
 from scorer.extproc.transport import frames as F
+from scorer.extproc.transport.limits import CONN_RECV_WINDOW, RECV_WINDOW
+from scorer.native import NATIVE
 
 PM = processing_mode_pb2.ProcessingMode
 SIZES = st.one_of(st.integers(0, 300), st.sampled_from([127, 128, 16_379, 16_384, 70_000]))
@@ -351,14 +354,32 @@ async def exchange(
     window: int = 1 << 24,
     per_frame: bool = False,
     state: dict[str, int] | None = None,
+    lane: bool = True,
+    lane_taken: list[bool] | None = None,
 ) -> tuple[bytes, bytes]:
     """One ext_proc stream through a fresh connection: the request (routed), then `msgs`
     as the response phase, then the end of the stream. Returns (bytes written during the
-    request phase, during the response phase). `taken`: what the fast path answered."""
+    request phase, during the response phase). `taken`: what the fast path answered.
+    `lane` False: the compiled chunk lane (`chunk_lane`) off, the Python answerer only;
+    `lane_taken`: what the compiled lane answered."""
     taken = [] if taken is None else taken
     server = app.extproc_h2
     assert server is not None
     conn = H2Connection(server)
+    compiled = conn.chunk_lane if lane and fast else None
+    if compiled is not None:
+
+        def lane_counted(*a: Any) -> bool:
+            took = compiled(*a)
+            if took:
+                taken.append(True)
+                if lane_taken is not None:
+                    lane_taken.append(True)
+            return took
+
+        conn.chunk_lane = lane_counted
+    else:
+        conn.chunk_lane = None
     t = Recorder()
     conn.connection_made(t)
     settings_ = F.settings_payload(((F.S_INITIAL_WINDOW_SIZE, window),))
@@ -596,14 +617,16 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
         msgs.append(TRAILERS)
     mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
     results = []
-    for fast in (True, False):
+    # The compiled chunk lane with the Python answerer, the Python answerer alone (the
+    # lane's reference), the protobuf path (the answerer's reference).
+    for fast, lane in ((True, True), (True, False), (False, False)):
         calls.clear()
         state: dict[str, int] = {}
         req, resp = loop.run_until_complete(
             exchange(
                 app,
                 fast,
-                f"r-{fast}",
+                f"r-{fast}-{lane}",
                 mode,
                 msgs,
                 cuts,
@@ -611,17 +634,88 @@ def test_fast_path_answers_byte_identical_to_protobuf_path(
                 window=window,
                 per_frame=per_frame,
                 state=state,
+                lane=lane,
             )
         )
         results.append((req, answers(resp), list(calls), state))
-    (req_f, (ans_f, credit_f), calls_f, state_f), (req_r, (ans_r, credit_r), calls_r, state_r) = (
-        results
+    (req_c, (ans_c, credit_c), calls_c, state_c) = results[0]
+    for req_r, (ans_r, credit_r), calls_r, state_r in results[1:]:
+        assert state_c == state_r
+        assert req_c == req_r
+        assert ans_c == ans_r
+        assert credit_c == credit_r
+        assert calls_c == calls_r
+
+
+@settings(max_examples=scaled(80))
+@given(
+    duplex=st.booleans(),
+    chunks=st.lists(_chunk, min_size=1, max_size=6),
+    window=st.sampled_from([1 << 24, 1 << 24, 400]),
+)
+@example(duplex=True, chunks=[(0, True, "none", b"")], window=1 << 24)  # the empty last chunk
+@example(  # Envoy's chunk shapes with metadata, one- and two-byte lengths
+    duplex=True,
+    chunks=[(127, False, "metadata long", b""), (128, False, "metadata served", b"")],
+    window=1 << 24,
+)
+@example(duplex=False, chunks=[(5, False, "none", b""), (0, True, "none", b"")], window=400)
+@example(  # shapes the lane leaves to the Python answerer, between ones it takes
+    duplex=True,
+    chunks=[(3, False, "unknown len", b""), (70_000, False, "none", b""), (4, True, "none", b"")],
+    window=1 << 24,
+)
+def test_compiled_chunk_lane_matches_the_python_answerer(
+    rig: Any, duplex: bool, chunks: list[tuple[int, bool, str, bytes]], window: int
+) -> None:
+    """Every chunk in a DATA frame and a read of its own (how Envoy forwards them), through
+    the compiled lane (scorer/native/_speedups.pyx `chunk_lane`) and through the Python
+    answerer alone: the same answer bytes, WINDOW_UPDATEs, accounting and director calls."""
+    loop, app, calls = rig
+    msgs = [resp_headers_raw("200", False, None)]
+    msgs += [
+        chunk_raw(_body(n, i), end, extra, inner) for i, (n, end, extra, inner) in enumerate(chunks)
+    ]
+    mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
+    results = []
+    for lane in (True, False):
+        calls.clear()
+        state: dict[str, int] = {}
+        req, resp = loop.run_until_complete(
+            exchange(
+                app, True, f"c-{lane}", mode, msgs, [], [], window=window, per_frame=True,
+                state=state, lane=lane,
+            )
+        )  # fmt: skip
+        results.append((req, answers(resp), list(calls), state))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("duplex", [True, False])
+def test_envoy_chunk_frames_take_the_compiled_lane(rig: Any, duplex: bool) -> None:
+    """Envoy's chunk frames (body, metadata_context, the empty last chunk), one per read,
+    are answered by the compiled lane, not only safely left to Python."""
+    assert NATIVE is not None  # `make` builds it (tests/index/test_native.py checks the build)
+    loop, app, calls = rig
+    msgs = [resp_headers_raw("200", False, None)]
+    msgs += [chunk_raw(_body(n, n), False, "none") for n in (1, 127, 128, 3000)]
+    msgs += [chunk_raw(_body(9), False, "metadata served"), chunk_raw(b"", True, "none")]
+    mode = PM.FULL_DUPLEX_STREAMED if duplex else PM.STREAMED
+    app.extproc._valid_meta.clear()  # the metadata value is new to this test
+    calls.clear()
+    taken: list[bool] = []
+    lane_taken: list[bool] = []
+    loop.run_until_complete(
+        exchange(
+            app, True, "envoy", mode, msgs, [], [], taken, per_frame=True, lane_taken=lane_taken
+        )
     )
-    assert state_f == state_r
-    assert req_f == req_r
-    assert ans_f == ans_r
-    assert credit_f == credit_r
-    assert calls_f == calls_r
+    # The headers and the first metadata value (checked once by protobuf) go to Python.
+    assert taken == [True] * len(msgs)
+    assert len(lane_taken) == len(msgs) - 2
+    bodies = [_body(n, n) for n in (1, 127, 128, 3000)] + [_body(9), b""]
+    ends = [False] * 5 + [True]
+    assert [c[1] for c in calls if c[0] == "response_chunk"] == list(zip(bodies, ends, strict=True))
 
 
 @pytest.mark.parametrize("duplex", [True, False])
@@ -702,10 +796,215 @@ def test_headers_and_trailers_are_told_by_their_first_byte(
     taken: list[bool] = []
     calls.clear()
     loop.run_until_complete(
-        exchange(app, True, "tags", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken)
+        exchange(app, True, "tags", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken, lane=False)
     )
     assert taken == [True, True, True]
     assert walked == [("body_chunk", 0x2A)]
     # Then the director sees the response as the protobuf path would have shown it
     # (test_fast_path_answers_byte_identical_to_protobuf_path compares the two).
     assert [c[0] for c in calls][:3] == ["response_started", "response_chunk", "response_ended"]
+
+
+# ------------------------------------------------------------------ the lane's state space
+
+# What a stream in the response phase normally has, and the states the lane steps aside
+# for (one per example, in about half of them, so most examples reach its accounting).
+_LANE_GOOD = {
+    "send_window": 1 << 20, "peer_max_frame": 16_384, "send_credit": 0, "recv_unacked": 0,
+    "unacked": 0, "headers_sent": True, "done": False, "half_closed": False, "closed": False,
+    "waiting": True, "receiving": True,
+}  # fmt: skip
+_LANE_ASIDE = {
+    "small send window": ("send_window", 60),
+    "no send window": ("send_window", 10),
+    "small frames": ("peer_max_frame", 30),
+    "stream window used": ("send_credit", -65_535 + 20),
+    "connection window full": ("recv_unacked", CONN_RECV_WINDOW - 10),
+    "stream window full": ("unacked", RECV_WINDOW - 10),
+    "headers not sent": ("headers_sent", False),
+    "stream done": ("done", True),
+    "half closed": ("half_closed", True),
+    "connection closed": ("closed", True),
+    "handler not parked": ("waiting", False),
+    "outside data_received": ("receiving", False),
+}
+
+# Mostly Envoy's shapes (the lane's), sometimes any other.
+_LANE_CHUNK = st.tuples(
+    SIZES,
+    st.booleans(),
+    st.sampled_from(
+        ["none"] * 12 + ["metadata served"] * 6 + ["metadata long"] * 4 + sorted(EXTRAS)
+    ),
+    st.sampled_from(
+        [b""] * 12 + [_field(4, 0, b"\x01"), _len_field(7, b"x"), _field(2, 2, b"\x00")]
+    ),
+)
+
+_LANE_STATE = st.fixed_dictionaries(
+    {
+        # Accounting branches the lane takes itself or through grant / release.
+        "buffered": st.sampled_from(["none", "none", "at limit", "over limit"]),
+        "owed": st.sampled_from([0, 0, 100]),
+        "big_sid": st.sampled_from([0, 0, 1, 3]),
+        "conn_credit": st.sampled_from([0, CONN_RECV_WINDOW // 4 - 10]),
+        "credit": st.sampled_from([0, RECV_WINDOW // 4 - 10]),
+        "meta_known": st.sampled_from([True, True, False]),
+        "aside": st.sampled_from([""] * 2 * len(_LANE_ASIDE) + sorted(_LANE_ASIDE)),
+    }
+)
+
+
+def _lane_conn(app: App, loop: asyncio.AbstractEventLoop, duplex: bool, st_: dict[str, Any]) -> Any:
+    """A connection with one stream in the response phase, in state `st_`."""
+    st_ = {**_LANE_GOOD, **st_}
+    if st_["aside"]:
+        k, v = _LANE_ASIDE[st_["aside"]]
+        st_[k] = v
+    server = app.extproc_h2
+    assert server is not None
+    conn = H2Connection(server)
+    conn.connection_made(Recorder())
+    conn.data_received(F.PREFACE + F.frame(F.SETTINGS, 0, 0))
+    conn.out.clear()
+    s = H2Stream(conn, 1, PROCESS_PATH, [], None)
+    conn.streams[1] = s
+    conn.last_sid = 1
+    s._waiter = loop.create_future()
+    if not st_["waiting"]:
+        s._waiter.set_result(None)
+    svc = app.extproc
+    svc._valid_meta.clear()
+    if st_["meta_known"]:
+        svc._valid_meta.add(_META_SERVED)
+    lane = (
+        duplex,
+        svc._continue_response_body_wire,
+        svc._valid_meta,
+        app.director.response_chunk,
+        "q",
+    )
+    s.on_message(svc._answerer("q", s, duplex, True), lane)
+    limit = conn.limits.max_buffered
+    conn.buffered = {"none": 0, "at limit": limit, "over limit": limit + 1}[st_["buffered"]]
+    s._held = conn.buffered
+    if st_["owed"]:
+        conn.owed = s._owed = st_["owed"]
+        conn.owing.add(s)
+    conn.big_sid = st_["big_sid"]
+    conn.conn_credit = st_["conn_credit"]
+    s._credit = st_["credit"]
+    conn.send_window = st_["send_window"]
+    conn.peer_max_frame = st_["peer_max_frame"]
+    s.send_credit = st_["send_credit"]
+    conn.recv_unacked = st_["recv_unacked"]
+    s._unacked = st_["unacked"]
+    s._headers_sent = st_["headers_sent"]
+    s._done = st_["done"]
+    s._half_closed = st_["half_closed"]
+    conn.closed = st_["closed"]
+    conn.receiving = st_["receiving"]
+    return conn, s
+
+
+def _lane_snapshot(conn: Any, s: Any, took: bool) -> dict[str, Any]:
+    names = ("recv_unacked", "conn_credit", "buffered", "owed", "big_sid", "send_window")
+    got: dict[str, Any] = {k: getattr(conn, k) for k in names}
+    for k in ("_unacked", "_credit", "_held", "_owed", "send_credit", "_headers_sent"):
+        got["s" + k] = getattr(s, k)
+    got["took"] = took
+    got["owing"] = len(conn.owing)
+    got["out"] = list(conn.out)
+    got["deferred"] = [(fn, args) for _, fn, args in conn.deferred]
+    got["valid_meta"] = sorted(s.lane[2]) if s.lane else None
+    return got
+
+
+@settings(max_examples=scaled(150))
+@given(duplex=st.booleans(), chunk=_LANE_CHUNK, state=_LANE_STATE)
+@example(  # the common case: credit batched, nothing owed
+    duplex=True,
+    chunk=(5, False, "none", b""),
+    state={
+        "buffered": "none", "owed": 0, "big_sid": 0, "conn_credit": 0, "credit": 0,
+        "meta_known": True, "aside": "",
+    },
+)  # fmt: skip
+@example(  # credit past a quarter window (WINDOW_UPDATEs), owed credit released, big stream
+    duplex=False,
+    chunk=(40, True, "metadata served", b""),
+    state={
+        "buffered": "none", "owed": 100, "big_sid": 1, "conn_credit": CONN_RECV_WINDOW // 4 - 10,
+        "credit": RECV_WINDOW // 4 - 10, "meta_known": True, "aside": "",
+    },
+)  # fmt: skip
+@example(  # over the connection's memory bound: the credit is owed
+    duplex=True,
+    chunk=(0, True, "none", b""),
+    state={
+        "buffered": "over limit", "owed": 0, "big_sid": 3, "conn_credit": 0, "credit": 0,
+        "meta_known": False, "aside": "",
+    },
+)  # fmt: skip
+def test_compiled_chunk_lane_state_space_matches_one_message(
+    rig: Any, duplex: bool, chunk: tuple[int, bool, str, bytes], state: dict[str, Any]
+) -> None:
+    """`chunk_lane` then `one_message` (the frame loop's order) against `one_message` alone
+    (the Python answerer), from the same connection and stream state (windows, credit near
+    its batching thresholds, memory bound reached, credit owed, the big stream, headers not
+    sent, a full send window, a closed connection, a handler not parked): the same result,
+    frames queued, accounting and deferred director calls."""
+    lane_compare(rig, duplex, chunk, state)
+
+
+def lane_compare(
+    rig: Any, duplex: bool, chunk: tuple[int, bool, str, bytes], state: dict[str, Any]
+) -> bool:
+    """One frame through `chunk_lane` then `one_message`, and through `one_message`
+    alone, from the same state: asserts the same effects; returns whether the lane took it."""
+    lane_took: list[bool] = []
+    assert NATIVE is not None
+    loop, app, _ = rig
+    n, end, extra, inner = chunk
+    raw = chunk_raw(_body(n), end, extra, inner)
+    data = F.frame(F.DATA, 0, 1, b"\x00" + len(raw).to_bytes(4, "big") + raw)
+
+    async def one(compiled: bool) -> dict[str, Any]:
+        assert NATIVE is not None
+        conn, s = _lane_conn(app, loop, duplex, state)
+        took = bool(compiled and NATIVE.chunk_lane(conn, s, data, 9, len(data), s.lane))
+        if compiled:
+            lane_took.append(took)
+        took = took or conn.one_message(s, data, 9, len(data))
+        got = _lane_snapshot(conn, s, took)
+        conn.deferred.clear()  # the director is not called: nothing of this stream is live
+        conn.receiving = False
+        conn.closed = True
+        conn.streams.clear()
+        return got
+
+    assert loop.run_until_complete(one(True)) == loop.run_until_complete(one(False))
+    return lane_took == [True]
+
+
+def test_compiled_chunk_lane_accounting_branches(rig: Any) -> None:
+    """Every combination of the accounting branches (memory bound, owed credit, the big
+    stream, credit at its batching thresholds) with Envoy's chunk shapes, in a state the
+    lane answers in: it takes the frame, with the Python answerer's effects."""
+    accounting = itertools.product(
+        ["none", "at limit", "over limit"],
+        [0, 100],
+        [0, 1, 3],
+        [0, CONN_RECV_WINDOW // 4 - 10],
+        [0, RECV_WINDOW // 4 - 10],
+    )
+    shapes = [(5, False, "none"), (0, True, "none"), (128, True, "metadata served")]
+    for (buffered, owed, big, cc, credit), (n, end, extra), duplex in itertools.product(
+        accounting, shapes, (True, False)
+    ):
+        state = {
+            "buffered": buffered, "owed": owed, "big_sid": big, "conn_credit": cc,
+            "credit": credit, "meta_known": True, "aside": "",
+        }  # fmt: skip
+        took = lane_compare(rig, duplex, (n, end, extra, b""), state)
+        assert took, (state, n, end, extra, duplex)

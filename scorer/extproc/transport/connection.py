@@ -68,11 +68,16 @@ from scorer.extproc.transport.limits import (
     RECV_WINDOW,
 )
 from scorer.extproc.transport.stream import H2Stream
+from scorer.native import NATIVE
 
 if TYPE_CHECKING:
     from scorer.extproc.transport.server import H2GrpcServer
 
 log = logging.getLogger("scorer.extproc.transport")
+
+# The compiled response-chunk lane (scorer/native/_speedups.pyx `chunk_lane`): one_message
+# plus the servicer's answerer for Envoy's common body-chunk frame; None: Python only.
+CHUNK_LANE: Callable[..., bool] | None = NATIVE.chunk_lane if NATIVE is not None else None
 
 
 # Ended streams remembered per connection (bounded memory; older ones are ignored as any
@@ -148,6 +153,7 @@ class H2Connection(asyncio.BufferedProtocol):
         self.cont_block = bytearray()
         self.window_waiters: list[asyncio.Future[None]] = []
         self.write_paused: asyncio.Future[None] | None = None
+        self.chunk_lane = CHUNK_LANE  # None in the tests' reference runs
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -299,6 +305,7 @@ class H2Connection(asyncio.BufferedProtocol):
         # Slices of a memoryview over immutable bytes: no copy per frame.
         view = memoryview(data)
         streams = self.streams
+        lane = self.chunk_lane
         while n - pos >= 9:
             lt, flags, sid = HDR.unpack_from(data, pos)
             length = lt >> 8
@@ -312,12 +319,18 @@ class H2Connection(asyncio.BufferedProtocol):
             if lt & 0xFF == DATA and not flags and length > 5 and not self.cont_sid:
                 # The one-message lane: a DATA frame without flags holding one whole
                 # message, Envoy's usual frame. For a stream answered in the frame loop
-                # (H2Stream.on_message: a response chunk) `one_message` answers it, else
-                # `queue_message` queues it for the handler; either changes nothing when
-                # it does not apply (then on_frame takes the same frame).
+                # (H2Stream.on_message: a response chunk) the compiled `chunk_lane`, then
+                # `one_message`, answers it, else `queue_message` queues it for the
+                # handler; each changes nothing when it does not apply (then the next, or
+                # on_frame, takes the same frame).
                 s = streams.get(sid & 0x7FFFFFFF)
                 if s is not None and (
-                    self.one_message(s, data, pos + 9, end)
+                    (
+                        s.lane is not None
+                        and lane is not None
+                        and lane(self, s, data, pos + 9, end, s.lane)
+                    )
+                    or self.one_message(s, data, pos + 9, end)
                     if s.fast is not None
                     else self.queue_message(s, data, pos + 9, end)
                 ):

@@ -97,6 +97,7 @@ class H2Stream:
         "fast",
         "handler",
         "headers",
+        "lane",
         "path",
         "send_credit",
         "sid",
@@ -142,6 +143,8 @@ class H2Stream:
         self.handler: Handler | None = None  # set until the handler task starts
         # Set by a handler (see `on_message`): answers a message synchronously on arrival.
         self.fast: Callable[[bytes], bool] | None = None
+        # With `fast`: what the compiled chunk lane needs (see `on_message`), or None.
+        self.lane: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------ servicer side
 
@@ -209,15 +212,23 @@ class H2Stream:
         else:
             fn(*args)
 
-    def on_message(self, fast: Callable[[bytes], bool] | None) -> None:
+    def on_message(
+        self, fast: Callable[[bytes], bool] | None, lane: tuple[Any, ...] | None = None
+    ) -> None:
         """Install (None: remove) a synchronous answerer for this stream's messages.
 
         `fast(raw)` gets each whole message's bytes as it arrives, while the handler is
         parked in `read()` with nothing queued (so every earlier message is answered and
         answers stay in order); it returns True when it answered and accounted for the
         message (with `write_now`), False to queue it for `read()` as usual. It must not
-        block: it runs inside the connection's frame loop."""
+        block: it runs inside the connection's frame loop.
+
+        `lane` = (duplex, CONTINUE body-response bytes, the answerer's set of checked
+        metadata values, director.response_chunk, request id): the compiled
+        `chunk_lane` (scorer/native/_speedups.pyx) then answers the common response-body
+        chunk frames as `fast` would, before `fast` is asked."""
         self.fast = fast
+        self.lane = lane if fast is not None else None
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         """End the call with `code` (like grpc.aio's context.abort)."""

@@ -94,6 +94,9 @@ class DynamoCost(Scorer):
         )
         self._conv: tuple[Cycle | None, int | None, bool] = (None, None, False)
         self._model = PrefillModel()
+        # Named sessions opened and requests they sent (shared_copy's turns per session).
+        self._opened = 0.0
+        self._turns = 0.0
         self._fleet_on = options.unit == "ms" or options.block_life or sessions
 
     def _pool_changed(self, change: PoolChange) -> None:
@@ -244,7 +247,22 @@ class DynamoCost(Scorer):
             left,
             evicted,
             label,
+            self.session_turns() if live is not None and left is None else 1.0,
         )
+
+    def _count_turn(self, opened: bool) -> None:
+        """One more request of a named session (`opened`: its first); both counts halve
+        past 10,000 requests so the mean follows the traffic of the last few thousand."""
+        self._turns += 1.0
+        if opened:
+            self._opened += 1.0
+        if self._turns > 10_000.0:
+            self._turns *= 0.5
+            self._opened *= 0.5
+
+    def session_turns(self) -> float:
+        """Mean requests per named session so far (1.0 before any)."""
+        return self._turns / self._opened if self._opened > 0.0 else 1.0
 
     def _rebalance(self, cycle: Cycle, ss: Sessions, sid: str, last: str, now: float) -> int | None:
         """Candidate index of the worker `sid` leaves for balance (session_rebalance), if
@@ -352,6 +370,7 @@ class DynamoCost(Scorer):
         if ss is not None:
             weight = cycle.request_blocks if self.options.session_weight == "blocks" else 1.0
             if cycle.request.session_id:
+                self._count_turn(ss.get(cycle.request.session_id, cycle.now) is None)
                 ss.put(cycle.request.session_id, ep, cycle.now, weight)
             elif self.convos is not None and keys:
                 found, conv, cold = self._conv
