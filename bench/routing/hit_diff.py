@@ -11,8 +11,8 @@ difference over `--min-tokens` by: the request went to the same worker or anothe
 *under the option*, while the default kept it: the option changed where other prompts
 were written, not where this turn went.
 
-    .venv/bin/python bench/routing/hit_diff.py --seed 1 --set kv.step_share=1
-    .venv/bin/python bench/routing/hit_diff.py --max-requests 800 --set kv.step_share=1
+    .venv/bin/python bench/routing/hit_diff.py --seed 1 --set kv.step_share=0
+    .venv/bin/python bench/routing/hit_diff.py --max-requests 800 --set kv.conversation_spread=0
 """
 
 from __future__ import annotations
