@@ -6,8 +6,8 @@ this one wraps the ext_proc connection's `data_received` and `flush` in the proc
 in and, at exit, writes `probes-<pid>.json` there: one row per answered read, (kind, µs
 from the read reaching `H2Connection.data_received` to the answer's `transport.write`, µs
 in that write, wall-clock time). Kinds: `response` (answered inside the read, in the frame
-loop: the response messages), `request` (answered by the stream's handler after the read:
-the routing answer, decision included), `end` (the stream's trailers). Reads answered by
+loop: the response messages), `request` (answered by the stream's handler at the end of
+the read: the routing answer, decision included), `end` (the stream's trailers). Reads answered by
 nothing (WINDOW_UPDATEs, Envoy's reset at the stream's end) are not rows.
 """
 
@@ -43,15 +43,18 @@ def _install(out_dir: str) -> Callable[[], None]:
     def timed_flush(self: H2Connection) -> None:
         t0 = started[0]
         # The response path defers the director's work until its answers are written; a
-        # flush carrying a HEADERS frame with END_STREAM ends a stream (its trailers).
+        # flush carrying a HEADERS frame with END_STREAM ends a stream (its trailers); one
+        # carrying DATA otherwise is the routing answer (its handler runs at the end of the
+        # read: H2Stream.step). Each queued piece starts with a frame header (type: byte 3).
+        kind: str | None = None
         if inside[0] and self.deferred:
             kind = "response"
         elif any(len(b) > 4 and b[3] == 1 and b[4] & 1 for b in self.out):
             kind = "end"
-        else:
+        elif any(len(b) > 4 and b[3] == 0 for b in self.out):
             kind = "request"
-        if not t0 or not self.out or (inside[0] and kind != "response"):
-            flush(self)  # nothing measured (control frames written while reading)
+        if not t0 or not self.out or kind is None:
+            flush(self)  # nothing measured (control frames only)
             return
         t1 = clock()
         flush(self)

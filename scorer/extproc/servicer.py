@@ -32,7 +32,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -96,8 +95,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # Conformance test devices (scorer/extproc/conformance.py), off by default.
         self.test_selection = config.extproc.test_endpoint_selection
         self.echo_served = config.extproc.echo_served_endpoint
-        # Handler tasks waiting in the response phase; release_streams() ends them cleanly.
-        self._following: set[asyncio.Task[Any]] = set()
+        # How to cancel each handler waiting in the response phase (Task.cancel, or
+        # H2Stream.interrupt for a task-less one); release_streams() ends them cleanly.
+        self._following: set[Callable[[], object]] = set()
         self._releasing = False
         # Prebuilt constant responses (no per-request allocation for the common answers).
         self._strip_forged = P.continue_headers(P.destination_mutation(None))
@@ -323,12 +323,17 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> bool:
         """Follow the response until Envoy closes the stream (end of the HTTP exchange).
         Returns True when it ended in-band."""
-        # Our transport knows the stream's task (asyncio.current_task() costs a getpid()
-        # system call per call).
-        task = context.task if isinstance(context, H2Stream) else asyncio.current_task()
-        if task is None or self._releasing:
+        # How to cancel this handler where it waits: our transport's stream knows (its
+        # handler may run without a task); grpc.aio runs it on a task.
+        stop: Callable[[], object] | None
+        if isinstance(context, H2Stream):
+            stop = context.interrupt
+        else:
+            task = asyncio.current_task()
+            stop = task.cancel if task is not None else None
+        if stop is None or self._releasing:
             return False
-        self._following.add(task)
+        self._following.add(stop)
         try:
             await self._follow(rid, context, response_mode)
             return True
@@ -339,15 +344,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # without us (a reset stream would make it abort a streaming response).
             return False
         finally:
-            self._following.discard(task)
+            self._following.discard(stop)
 
     def release_streams(self) -> int:
         """Shutdown: close every stream that only waits for its response to end, with OK
         status, so long generations survive the scorer's exit. Returns how many."""
         self._releasing = True
         n = len(self._following)
-        for t in list(self._following):
-            t.cancel()
+        for stop in list(self._following):
+            stop()
         return n
 
     async def _follow(

@@ -318,10 +318,9 @@ async def settle(conn: H2Connection) -> None:
     for _ in range(2000):
         stalled = any(not w.done() for w in conn.window_waiters)  # waits for the peer's window
         busy = conn.flush_scheduled or any(
-            s.task is not None
-            and not s.task.done()
+            s in conn.server.calls
             and not stalled
-            and (s._msgs or s._waiter is None or s._waiter.done())
+            and (s._ready or s._msgs or s._waiter is None or s._waiter.done())
             for s in conn.streams.values()
         )
         if not busy:
@@ -460,10 +459,12 @@ async def exchange(
         # the written frames.
         for k, v in accounting(conn, s).items():
             state[k] = v - at_request_end[k]
-    tasks = [s.task for s in conn.streams.values() if s.task is not None]
+    running = [s for s in conn.streams.values() if s in conn.server.calls]
     conn.connection_lost(None)
-    if tasks:  # their director calls land in this exchange, not the next one
-        await asyncio.wait(tasks, timeout=5)
+    for _ in range(2000):  # bounded: their director calls land in this exchange
+        if not any(s in conn.server.calls for s in running):
+            break
+        await asyncio.sleep(0)
     return request_part, bytes(t.out)
 
 

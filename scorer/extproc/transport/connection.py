@@ -144,6 +144,9 @@ class H2Connection(asyncio.BufferedProtocol):
         # Work to run once this data_received's answers are written (H2Stream.after_write):
         # bookkeeping that must not delay the answers it follows.
         self.deferred: list[tuple[H2Stream, Callable[..., object], tuple[Any, ...]]] = []
+        # Streams whose task-less handler has something to do once this read is parsed
+        # (H2Stream.step): it then answers in this read's one write.
+        self.ready: list[H2Stream] = []
         self.goaway_sent = False
         self.closed = False
         self.broken = False
@@ -257,12 +260,27 @@ class H2Connection(asyncio.BufferedProtocol):
         self.receiving = True
         try:
             self.receive(data)
+            if self.ready:
+                if self.deferred:
+                    # A stream's messages answered in the frame loop keep their order
+                    # before what its handler does next (e.g. the end of the response).
+                    self.flush()
+                    self.run_deferred()
+                self.step_ready()
         finally:
             self.receiving = False
             if self.out:
                 self.flush()
             if self.deferred:
                 self.run_deferred()
+
+    def step_ready(self) -> None:
+        """Run the task-less handlers this read woke (or started), in the order they
+        became ready, until none is left."""
+        while self.ready:
+            ready, self.ready = self.ready, []
+            for s in ready:
+                s.step()
 
     def run_deferred(self) -> None:
         """Run what the streams deferred until their answers were written, in order. A
@@ -383,7 +401,7 @@ class H2Connection(asyncio.BufferedProtocol):
             if s is not None:
                 self.drop(s)
                 s.on_reset()
-                if s.task is not None and not s._headers_sent:
+                if s.handler is None and not s._headers_sent:  # started, unanswered
                     return self.premature_reset()
             return True
         if ftype == GOAWAY:

@@ -38,7 +38,8 @@ class H2GrpcServer:
         self.limits = dataclasses.replace(limits or Limits(), **bounds)
         self.handlers: dict[str, tuple[Handler, Callable[[bytes], Any] | None]] = {}
         self.connections: set[H2Connection] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
+        # Calls whose handler runs (task-less or on a task: H2Stream.step).
+        self.calls: set[H2Stream] = set()
         self.draining = False
         self._server: asyncio.Server | None = None
         self.tls_failures: dict[str, int] = {}  # failed TLS handshakes by reason
@@ -107,11 +108,7 @@ class H2GrpcServer:
 
     async def run(self, stream: H2Stream, handler: Handler) -> None:
         """Run one call's handler and end the stream with its status."""
-        # The stream's task (set by H2Stream.start before this first runs): the same as
-        # asyncio.current_task(), without its look-up (a getpid() system call per call).
-        task = stream.task
-        assert task is not None
-        self.tasks.add(task)
+        self.calls.add(stream)
         try:
             await handler(None, stream)
         except AbortStream as e:
@@ -125,7 +122,7 @@ class H2GrpcServer:
         else:
             stream.finish(0)
         finally:
-            self.tasks.discard(task)
+            self.calls.discard(stream)
 
     async def stop(self, grace: float | None) -> None:
         """Refuse new streams (GOAWAY), let open ones finish within `grace`, cancel the rest."""
@@ -134,7 +131,9 @@ class H2GrpcServer:
             self._server.close()
         for c in list(self.connections):
             c.goaway()
-        tasks = set(self.tasks)
+        for s in list(self.calls):
+            s.promote()  # a task-less handler gets a task to wait for and cancel
+        tasks = {s.task for s in self.calls if s.task is not None}
         if tasks and grace:
             await asyncio.wait(tasks, timeout=grace)
         for t in tasks:

@@ -10,10 +10,12 @@ Trailers-Only responses.
 from __future__ import annotations
 
 import asyncio
+import collections.abc
+import inspect
 import logging
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import grpc
@@ -82,14 +84,17 @@ class H2Stream:
     __slots__ = (
         "_buf",
         "_cancelled",
+        "_coro",
         "_credit",
         "_deserialize",
         "_done",
         "_half_closed",
         "_headers_sent",
         "_held",
+        "_interrupted",
         "_msgs",
         "_owed",
+        "_ready",
         "_sizes",
         "_unacked",
         "_waiter",
@@ -120,7 +125,12 @@ class H2Stream:
         # data sent): a SETTINGS change of the initial window then costs O(1), not one
         # update per open stream (RFC 9113 §6.9.2).
         self.send_credit = 0
+        # The handler runs without a task while it only waits for this stream's messages
+        # (see `step`): `_coro` is its coroutine then; `task` once it awaits anything else.
         self.task: asyncio.Task[None] | None = None
+        self._coro: Coroutine[Any, Any, None] | None = None
+        self._ready = False  # queued on the connection's `ready` list
+        self._interrupted = False  # CancelledError due at the handler's next step
         self._msgs: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._buf = bytearray()
@@ -248,6 +258,8 @@ class H2Stream:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+            if self._coro is not None:
+                self.schedule()
 
     def on_data(self, data: memoryview | bytes, end: bool) -> str | None:
         """Buffer DATA (the connection accounted for it); queue whole messages. Returns
@@ -318,11 +330,83 @@ class H2Stream:
         return None
 
     def start(self) -> None:
-        """Start the handler (its first message is queued)."""
+        """Start the handler (its first message is queued): it runs at the end of the
+        connection's current read, when every message of that read is queued (see
+        `step`)."""
         handler = self.handler
         assert handler is not None
         self.handler = None
-        self.task = self.conn.loop.create_task(self.conn.server.run(self, handler))
+        self._coro = self.conn.server.run(self, handler)
+        self.schedule()
+
+    def schedule(self) -> None:
+        """Step the task-less handler once the connection's current read is parsed (or in
+        the next loop turn outside a read)."""
+        if self._ready:
+            return
+        self._ready = True
+        conn = self.conn
+        if conn.receiving:
+            conn.ready.append(self)
+        else:
+            conn.loop.call_soon(self.step)
+
+    def step(self) -> None:
+        """Run the task-less handler until it waits again.
+
+        An ext_proc handler mostly waits for its own stream's next message, which this
+        stream knows the moment it arrives: the handler's coroutine is driven from here,
+        inside the connection's read, so a request read in one `data_received` is
+        answered in that read's one write, with no task created and no loop turn between
+        the read and the answer. The first time the handler awaits anything else (a
+        thread pool's future, flow-control credit, a sleep) its coroutine moves to a task
+        (`_Resumed`), which drives it from there on as asyncio always would."""
+        self._ready = False
+        coro = self._coro
+        if coro is None:
+            return
+        interrupted, self._interrupted = self._interrupted, False
+        w = self._waiter
+        if not interrupted and w is not None and not w.done():
+            return  # not woken: nothing to resume it with
+        if interrupted and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            # Cancelled before it ran (as a task cancelled before its first step).
+            self._coro = None
+            coro.close()
+            return
+        try:
+            fut = coro.throw(asyncio.CancelledError()) if interrupted else coro.send(None)
+        except StopIteration:
+            self._coro = None
+            return
+        except BaseException:
+            self._coro = None
+            raise
+        if fut is not self._waiter or fut is None:
+            self.promote(fut)
+
+    def promote(self, fut: Any = None) -> None:
+        """Hand the task-less handler's coroutine to a task (`fut`: what it waits on now;
+        None: its parked read's waiter). No-op when a task already runs it."""
+        coro = self._coro
+        if coro is None:
+            return
+        self._coro = None
+        if fut is None:
+            fut = self._waiter
+        task = self.task = self.conn.loop.create_task(_Resumed(coro, fut))
+        if self._interrupted:  # due at its next step: the task delivers it
+            self._interrupted = False
+            task.cancel()
+
+    def interrupt(self) -> None:
+        """Cancel the handler where it waits (Task.cancel for a task-less one): it sees
+        CancelledError there, as a cancelled task's coroutine does."""
+        if self._coro is not None:
+            self._interrupted = True
+            self.schedule()
+        elif self.task is not None and not self.task.done():
+            self.task.cancel()
 
     def on_reset(self) -> None:
         """The peer reset the stream (or the connection is gone): cancel the handler."""
@@ -340,8 +424,7 @@ class H2Stream:
         """Stop the handler: pending and later reads raise CancelledError."""
         self._cancelled = True
         self._wake()
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        self.interrupt()
 
     def finish(self, code: int, message: str | None = None) -> None:
         """Send trailers (or a Trailers-Only response) and close our side."""
@@ -366,3 +449,38 @@ class H2Stream:
         if self._sizes is not None:
             self._sizes = None
             self.conn.release_stream(self)
+
+
+class _Resumed(collections.abc.Coroutine[Any, Any, None]):
+    """A coroutine already started elsewhere (`H2Stream.step`), in the coroutine protocol
+    a task drives: its first `send` returns what the coroutine waits on now (`fut`),
+    then `send` and `throw` go straight to the coroutine, as they would had the task
+    started it. A cancellation before the task's first step reaches the coroutine where
+    it waits."""
+
+    __slots__ = ("coro", "fut", "pending")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], fut: Any) -> None:
+        self.coro = coro
+        self.fut = fut
+        self.pending = True  # `fut` not handed to the task yet
+
+    def send(self, value: Any) -> Any:
+        if self.pending:
+            self.pending = False
+            fut, self.fut = self.fut, None
+            return fut
+        return self.coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self.pending = False
+        self.fut = None
+        if val is None and tb is None:
+            return self.coro.throw(typ)
+        return self.coro.throw(typ, val, tb)  # the legacy three-argument form
+
+    def close(self) -> None:
+        self.coro.close()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        raise NotImplementedError  # driven by a task only
