@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from kvscorer_tools.bench.peer_models import MODELS, build_model
 from kvscorer_tools.bench.workloads import Workload
 from kvscorer_tools.sim.cache import PrefixCache
 from kvscorer_tools.sim.scheduler import Admission, Progress, release, schedule_step
@@ -326,8 +327,11 @@ class _Replay:
             rng=random.Random(settings.seed),
             parts=Parts(index=self.index, hasher=keys.hasher),
         )
-        self.policy: Policy = build_policy(
-            policy_name, self.ctx, settings.policy_options.get(policy_name)
+        opts = settings.policy_options.get(policy_name)
+        self.policy: Policy = (
+            build_model(policy_name, self.ctx, opts)
+            if policy_name in MODELS
+            else build_policy(policy_name, self.ctx, opts)
         )
         set_clock(self.policy, self.clock)
         self.director = Director(self.config, self.pool, self.policy)
