@@ -15,6 +15,7 @@ the policies' random tie-breaks change; the generated workloads are drawn again)
         --policies 'kv,model:vllm_kv_aware{min_match_blocks=1,tie=least_loaded}'
 
 A policy followed by `{OPTION=VALUE,...}` runs with those options on top of `--set`.
+`--table FILE...` prints `--out` files as markdown (min-max over the seeds).
 
 Arrivals are the trace's (time scale 1): the e2e run's `--time-scale 5` speeds up the
 arrivals *and* the simulated engines, so in model time it is this replay.
@@ -54,9 +55,36 @@ def split_policies(text: str) -> list[str]:
     return [p.strip() for p in out if p.strip()]
 
 
+def _span(xs: list[float], fmt: str) -> str:
+    lo, hi = min(xs), max(xs)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{lo:{fmt}}-{hi:{fmt}}"
+
+
+def table(paths: list[Path]) -> str:
+    """Markdown rows from `--out` files: per (workload, capacity, policy), hit / TTFT p50
+    / p99 / queue p50 / prefill p50 / imbalance, as min-max over the seeds."""
+    rows: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for path in paths:
+        doc = json.loads(path.read_text())
+        n = doc.get("max_requests") or "all"
+        for e in doc["entries"]:
+            rows.setdefault((f"{e['workload']} ({n})", e["capacity"], e["policy"]), []).append(e)
+    out = [
+        "| workload (requests) | blocks | policy | seeds | hit | TTFT p50 | p99 | queue p50 "
+        "| prefill p50 | imbalance |",
+        "| --- | ---: | --- | ---: | --- | --- | --- | --- | --- | --- |",
+    ]
+    fmts = (".4f", ".1f", ".0f", ".1f", ".1f", ".2f")
+    for (wl, cap, pol), es in rows.items():
+        cells = [_span([e[k] for e in es], f) for k, f in zip(KEYS, fmts, strict=True)]
+        out.append(f"| {wl} | {cap} | `{pol}` | {len(es)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     """CLI: see the module docstring."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--table", type=Path, nargs="+", help="print --out files as markdown")
     ap.add_argument("--workload", default="mooncake-conversation")
     ap.add_argument("--max-requests", type=int, default=0, help="0: the whole workload")
     ap.add_argument("--capacities", default="1000", help="blocks per worker, comma list")
@@ -66,6 +94,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="POLICY.OPTION=VALUE")
     ap.add_argument("--out", type=Path, help="write every entry as JSON here")
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     from kvscorer_tools.bench.cli import parse_params
 
     params = parse_params(args.param)
