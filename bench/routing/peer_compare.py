@@ -93,6 +93,14 @@ def main() -> None:
     ap.add_argument("--param", action="append", default=[], help="workload KEY=VALUE")
     ap.add_argument("--set", action="append", default=[], help="POLICY.OPTION=VALUE")
     ap.add_argument("--out", type=Path, help="write every entry as JSON here")
+    ap.add_argument(
+        "--router-time-scale", type=float, default=1.0,
+        help="the router's clock as an e2e run at --time-scale X has it (ReplaySettings)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--lean-view", action="store_true",
+        help="the router sees no response: prefill ends by the scrape's counters or estimate",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
@@ -115,7 +123,10 @@ def main() -> None:
         for cap in (int(c) for c in args.capacities.split(",")):
             for label in policies:
                 p, _, extra = label.partition("{")
-                st = rp.ReplaySettings(capacity_blocks=cap or None, seed=seed)
+                st = rp.ReplaySettings(
+                    capacity_blocks=cap or None, seed=seed,
+                    router_time_scale=args.router_time_scale, lean_view=args.lean_view,
+                )  # fmt: skip
                 st.policy_options = {k: dict(v) for k, v in options.items()}
                 for kv in filter(None, extra.rstrip("}").split(",")):
                     opt, _, val = kv.partition("=")
@@ -134,7 +145,9 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"workload": args.workload, "max_requests": args.max_requests,
-               "params": params, "set": args.set, "entries": out}  # fmt: skip
+               "params": params, "set": args.set, "entries": out,
+               "router_time_scale": args.router_time_scale,
+               "lean_view": args.lean_view}  # fmt: skip
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
 
 
