@@ -29,6 +29,8 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     pairs: list[tuple[float, float]] = []
+    # Per router behind the runs: ours (any policy: Envoy + our scorer), or a peer binary.
+    groups: dict[str, list[tuple[float, float, float]]] = {}
     print(
         f"{'file':34} {'policy':24} {'hit':>6} {'engine':>6} {'queue':>6} {'prefill':>7} "
         f"{'sims s':>6} {'router s':>8}"
@@ -43,6 +45,14 @@ def main() -> None:
                 cpu = run.get("cpu_s", {})
                 if name not in skip:
                     pairs.append((cpu.get("sims", 0.0), legs["queue_ms"]["p50"]))
+                group = name.split("_")[0] if name.startswith(("vllm_router", "sglang")) else "ours"
+                groups.setdefault(group, []).append(
+                    (
+                        cpu.get("sims", 0.0),
+                        legs["to_engine_wall_ms"]["p50"],
+                        legs["queue_ms"]["p50"],
+                    )
+                )
                 print(
                     f"{path.stem[-34:]:34} {name:24} {run['hit_rate']:>6.4f} "
                     f"{legs['to_engine_wall_ms']['p50']:>6.1f} {legs['queue_ms']['p50']:>6.1f} "
@@ -50,6 +60,13 @@ def main() -> None:
                     f"{cpu.get('router', 0):>8.2f}"
                 )
 
+    for group, xs in groups.items():
+        n = len(xs)
+        print(
+            f"{group:8} {n:3} runs: sims CPU mean {sum(x[0] for x in xs) / n:.1f} s, to engine "
+            f"p50 mean {sum(x[1] for x in xs) / n:.1f} ms wall, queue p50 mean "
+            f"{sum(x[2] for x in xs) / n:.1f} ms model"
+        )
     if len(pairs) > 2:
         r = statistics.correlation([a for a, _ in pairs], [b for _, b in pairs])
         print(f"{len(pairs)} runs: correlation of queue p50 with the sims' CPU seconds {r:.2f}")
