@@ -98,6 +98,10 @@ def main() -> None:
         help="the router's clock as an e2e run at --time-scale X has it (ReplaySettings)",
     )  # fmt: skip
     ap.add_argument(
+        "--per-worker", action="store_true",
+        help="also print each worker's requests and median TTFT",
+    )  # fmt: skip
+    ap.add_argument(
         "--lean-view", action="store_true",
         help="the router sees no response: prefill ends by the scrape's counters or estimate",
     )  # fmt: skip
@@ -131,7 +135,8 @@ def main() -> None:
                 for kv in filter(None, extra.rstrip("}").split(",")):
                     opt, _, val = kv.partition("=")
                     st.policy_options.setdefault(p, {})[opt] = yaml.safe_load(val)
-                r = rp.run_replay(wl, p, st, keys).as_dict()
+                sim = rp._Replay(wl, keys, p, st)
+                r = sim.run().as_dict()
                 r.pop("reasons", None)
                 r.pop("prompt_tokens_per_worker", None)
                 out.append({"workload": args.workload, "capacity": cap, "seed": seed,
@@ -142,6 +147,15 @@ def main() -> None:
                     f"{r['prefill_p50_ms']:>9.1f} {r['imbalance']:>5.2f}",
                     flush=True,
                 )
+                if args.per_worker:
+                    by: dict[str, list[float]] = {e: [] for e in sim.workers}
+                    for q in sim.reqs:
+                        if q.worker is not None and q.first >= 0:
+                            by[q.worker.endpoint].append((q.first - q.arrival) * 1000.0)
+                    print(
+                        f"{'':40} requests {[len(v) for v in by.values()]} median TTFT "
+                        f"{[round(rp.percentile(v, 50)) for v in by.values()]}"
+                    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"workload": args.workload, "max_requests": args.max_requests,

@@ -120,23 +120,23 @@ def test_kv_aware_shared_first_block_piles_and_the_variants_do_not() -> None:
 def test_cache_aware_threshold_last_tenant_and_imbalance() -> None:
     pool, _, pol = _fleet(3, "model:cache_aware")
     eps = list(pool.workers)
-    a = [1, 2, 3, 4]
     _busy(pool, eps[0], 1)
-    # Nothing routed yet: the least loaded (first of 1 and 2).
-    assert _decide(pool, pol, _req(a)).endpoints == [eps[1]]
-    # 3 of 4 blocks routed before (> cache_threshold 0.5): the tenant that had them.
+    # Nothing routed yet: the least loaded (the first of eps[1] and eps[2]).
+    assert _decide(pool, pol, _req([1, 2, 3, 4])).endpoints == [eps[1]]
+    # 2 of 4 blocks routed before (> cache_threshold 0.3): the tenant that had them.
     _busy(pool, eps[1], 5)
-    assert _decide(pool, pol, _req([1, 2, 3, 9])).endpoints == [eps[1]]
-    # 2 of 4 is not more than half: least loaded.
-    assert _decide(pool, pol, _req([1, 2, 8, 9])).endpoints == [eps[2]]
-    # [1, 2] now also went to eps[2]: the node's last tenant wins a match of it.
-    assert _decide(pool, pol, _req([1, 2, 7])).endpoints == [eps[2]]
-    # eps[1] is sent [1, 2, 3] again (its own 3 blocks): now it is the last tenant of [1, 2].
-    assert _decide(pool, pol, _req([1, 2, 3])).endpoints == [eps[1]]
-    assert _decide(pool, pol, _req([1, 2, 6])).endpoints == [eps[1]]
-    # Imbalanced (max - min > 32 and max > 1.1 x min): least loaded whatever the tree says.
-    _busy(pool, eps[2], 40)
-    assert _decide(pool, pol, _req([1, 2, 7])).endpoints == [eps[0]]
+    assert _decide(pool, pol, _req([1, 2, 8, 9])).endpoints == [eps[1]]
+    # 1 of 4 is not more than 0.3: the least loaded, which becomes [1]'s last tenant.
+    assert _decide(pool, pol, _req([1, 20, 21, 22])).endpoints == [eps[2]]
+    assert _decide(pool, pol, _req([1, 30, 31])).endpoints == [eps[2]]  # 1 of 3 > 0.3
+    # eps[1] is sent [1, 2, 3] again: now it is the last tenant of [1].
+    assert _decide(pool, pol, _req([1, 2, 3, 5])).endpoints == [eps[1]]
+    assert _decide(pool, pol, _req([1, 40, 41])).endpoints == [eps[1]]
+    # Imbalanced (max - min > 64 and max > 1.5 x min): least loaded whatever the tree says.
+    _busy(pool, eps[2], 50)  # 49 apart: still balanced
+    assert _decide(pool, pol, _req([1, 2, 3, 4])).endpoints == [eps[1]]
+    _busy(pool, eps[2], 70)
+    assert _decide(pool, pol, _req([1, 2, 3, 4])).endpoints == [eps[0]]
     # A dry run leaves the tree as it was.
     n = len(pol.tree)  # type: ignore[attr-defined]
     _decide(pool, pol, _req([50, 51], dry_run=True))

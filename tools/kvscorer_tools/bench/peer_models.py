@@ -15,8 +15,9 @@ serve`, refused by `kv-scorer bench --mode e2e` (which runs the real peers).
   (`Worker::load()`, `min_by_key`: the first such worker); then the uncached blocks
   from the best match on are inserted speculatively for the chosen worker with one TTL.
   No load term at all once any block matches.
-* `model:cache_aware`: vllm-router's `cache_aware` (src/policies/cache_aware.rs, defaults
-  in src/policies/mod.rs `CacheAwareConfig`), which is sglang-router's `cache_aware`:
+* `model:cache_aware`: vllm-router's `cache_aware` (src/policies/cache_aware.rs; the
+  thresholds are its launcher's defaults, `vllm_router/router_args.py`, the same in
+  sglang-router's), which is sglang-router's `cache_aware`:
   when in-flight requests per worker are imbalanced (max - min > `balance_abs_threshold`
   and max > `balance_rel_threshold` x min) the least loaded worker (first minimum) wins;
   otherwise an approximate radix tree of the prompts it routed gives the longest prefix
@@ -143,10 +144,12 @@ class VllmKvAwareModel(Policy):
 
 
 class CacheAwareOptions(PolicyOptions):
-    # vllm-router src/policies/mod.rs CacheAwareConfig defaults (sglang-router's too).
-    cache_threshold: float = Field(0.5, ge=0, le=1)
-    balance_abs_threshold: int = Field(32, ge=0)
-    balance_rel_threshold: float = Field(1.1, ge=0)
+    # What the e2e benchmark runs: both launchers' defaults (vllm_router/router_args.py of
+    # vllm-router 0.1.17, sglang_router/router_args.py of sglang-router 0.3.2), which
+    # override the Rust struct's (src/policies/mod.rs CacheAwareConfig: 0.5, 32, 1.1).
+    cache_threshold: float = Field(0.3, ge=0, le=1)
+    balance_abs_threshold: int = Field(64, ge=0)
+    balance_rel_threshold: float = Field(1.5, ge=0)
 
 
 class CacheAwareModel(Policy):
