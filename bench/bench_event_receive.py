@@ -1,16 +1,17 @@
-"""CPU per KV-event message of the loop that hands a ZMQ socket's messages to the
-subscriber (`scorer.events.subscriber.receive`), against one awaited recv per message.
+"""CPU per KV-event message of the reader that hands a ZMQ socket's queued messages to the
+subscriber (`scorer.events.subscriber.Reader`), against one awaited recv per message.
 
     .venv/bin/python bench/bench_event_receive.py [--messages 50000] [--repeats 3]
 
 A busy worker publishes a message per engine step; the scorer reads them on its event
 loop, next to the request path. Each awaited `recv_multipart()` of pyzmq's asyncio socket
-costs a Future, a timeout check and an EVENTS read; `receive` awaits only when the queue
-is empty and reads what is already queued with plain non-blocking calls on a shadow of the
-same socket. The handler here does nothing, so the figure is the receive loop alone.
-`--messages` 100-byte messages are queued on an inproc PUSH/PULL pair, then read; process
-CPU per message, median of the repeats, uvloop (the scorer's default). Prints a table and
-writes bench/out/event_receive.json.
+costs a Future, a timeout check and an EVENTS read; `Reader` reads from the loop's reader
+callback on the socket's FD with plain non-blocking calls (BURST messages per callback).
+The handler here does nothing, so the figure is the receive loop alone. `--messages`
+100-byte messages are queued on an inproc PUSH/PULL pair, then read; process CPU per
+message, median of the repeats, uvloop (the scorer's default). Queued bursts only: for the
+message-at-a-time case (vLLM's one message per engine step), bench_event_wakeup.py.
+Prints a table and writes bench/out/event_receive.json.
 """
 
 from __future__ import annotations
@@ -27,25 +28,29 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from scorer.events.subscriber import BURST, receive
+from scorer.events.subscriber import BURST, Reader
 
 ROOT = Path(__file__).resolve().parents[1]
-Loop = Callable[[zmq.asyncio.Socket, Callable[[list[bytes]], Awaitable[None]]], Awaitable[None]]
+Loop = Callable[[zmq.asyncio.Socket, Callable[[list[bytes]], bool]], Awaitable[None]]
 
 
-async def awaited_each(
-    sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], Awaitable[None]]
-) -> None:
-    """The loop before `receive`: one awaited recv per message, the same bursts."""
+async def awaited_each(sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], bool]) -> None:
+    """The loop before `Reader` and its predecessor: one awaited recv per message, the
+    same bursts."""
     n = 0
     start = time.monotonic()
     while True:
-        await handle(await sock.recv_multipart())
+        handle(await sock.recv_multipart())
         n += 1
         if n >= BURST or time.monotonic() - start > 0.002:
             await asyncio.sleep(0)
             n = 0
             start = time.monotonic()
+
+
+async def reader(sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], bool]) -> None:
+    """The scorer's reader."""
+    await Reader(sock, handle).run()
 
 
 async def one(loop_fn: Loop, messages: int) -> float:
@@ -61,11 +66,12 @@ async def one(loop_fn: Loop, messages: int) -> float:
     done = asyncio.Event()
     count = 0
 
-    async def handle(frames: list[bytes]) -> None:
+    def handle(frames: list[bytes]) -> bool:
         nonlocal count
         count += 1
         if count == messages:
             done.set()
+        return True
 
     t0 = time.process_time()
     task = asyncio.create_task(loop_fn(pull, handle))
@@ -85,9 +91,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/out/event_receive.json")
     args = ap.parse_args()
-    runs: dict[str, list[float]] = {"awaited_each": [], "receive": []}
+    runs: dict[str, list[float]] = {"awaited_each": [], "reader": []}
     for _ in range(args.repeats):  # alternated
-        for name, fn in (("awaited_each", awaited_each), ("receive", receive)):
+        for name, fn in (("awaited_each", awaited_each), ("reader", reader)):
             runs[name].append(uvloop.run(one(fn, args.messages)))
     result = {name: round(statistics.median(v), 2) for name, v in runs.items()}
     print(f"{'loop':<14} CPU µs per message (median of {args.repeats})")

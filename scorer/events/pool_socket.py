@@ -39,7 +39,7 @@ from prometheus_client import Counter, Gauge
 
 from scorer.config import Config, EventsEndpointConfig
 from scorer.events.ingest import EventIngest
-from scorer.events.subscriber import Subscriber, receive
+from scorer.events.subscriber import Reader, Subscriber
 from scorer.pool.workers import Pool, PoolChange, Worker, normalize_endpoint
 from scorer.tasks import cancel_and_wait
 
@@ -122,6 +122,7 @@ class PoolEventSocket:
         self._sub: zmq.asyncio.Socket | None = None
         self._mon: zmq.asyncio.Socket | None = None  # the reading end of _sub's monitor
         self._peers = 0
+        self._reader: Reader | None = None
         self._draining: set[str] = set()
         self._drains: set[asyncio.Task[None]] = set()
         pool.subscribe(self._pool_changed)
@@ -184,6 +185,8 @@ class PoolEventSocket:
             return
         ev = w.config.events or EventsEndpointConfig(endpoint=self.bind, mode="pool")
         sub = Subscriber(w.endpoint, ev, self.ingest.applier, self.config.events, self._context)
+        # A stream whose backlog filled stops the shared reader; its drain resumes it.
+        sub.resume_reader = self._resume_reader
         self.streams[w.endpoint] = sub
         # Registered where policies, /debug/index and readiness look for streams.
         self.ingest.subscribers[w.endpoint] = sub
@@ -231,23 +234,53 @@ class PoolEventSocket:
     # ---- receiving ---------------------------------------------------------------------
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        self._reader = Reader(sock, self._offer_safely)
         try:
-            await receive(sock, self._handle_safely)
+            await self._reader.run()
         finally:
+            self._reader = None
             sock.close(linger=0)
 
-    async def _handle_safely(self, frames: list[bytes]) -> None:
+    def _resume_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.resume()
+
+    def _offer_safely(self, frames: list[bytes]) -> bool:
         try:
-            await self.handle(frames)
+            return self.offer(frames)
         except Exception:  # the event path never dies on one message
             log.exception("KV event from the pool socket failed to apply")
+            return True
 
     def _count(self, outcome: str, n: int = 1) -> None:
         _OUT[outcome].inc(n)
         self.counts[outcome] += n
 
+    def offer(self, frames: list[bytes]) -> bool:
+        """Route one `[topic, seq, payload]` message to its worker's stream (`Subscriber.
+        offer`: handled now, or queued in order), or hold it. False: that stream's backlog
+        is full, stop reading until it calls `_resume_reader`."""
+        topic_b = frames[0] if frames else b""
+        parsed = topic_endpoint(topic_b)
+        if parsed is None or len(frames) != 3:
+            self._count("bad_topic")
+            return True
+        topic = topic_b.decode("utf-8")
+        if topic in self.held:  # older messages of this topic are still waiting: queue
+            self._hold(topic, frames)
+            return True
+        ep = self._resolve(topic)
+        sub = self.streams.get(ep) if ep is not None else None
+        if sub is None:
+            self._hold(topic, frames)
+            return True
+        sub.status.connected = True  # the engine reached us (connections are not per worker)
+        self._count("applied")
+        return sub.offer(frames)
+
     async def handle(self, frames: list[bytes]) -> None:
-        """Route one `[topic, seq, payload]` message to its worker's stream, or hold it."""
+        """Route one `[topic, seq, payload]` message to its worker's stream, or hold it;
+        returns once it is handled (tests; the reader uses `offer`)."""
         topic_b = frames[0] if frames else b""
         parsed = topic_endpoint(topic_b)
         if parsed is None or len(frames) != 3:

@@ -14,7 +14,13 @@ Per (worker, dp_rank): the next seq applies; a jump forward is a gap, replayed f
 worker's replay endpoint (or the worker is purged when there is none, it times out, or its
 buffer no longer reaches back); a seq that goes backwards means the engine restarted, so
 the worker is purged and the stream starts over. Ingestion runs on the event loop in small
-bursts (`await asyncio.sleep(0)` between them) so request handling is never starved.
+bursts (the loop is yielded between them) so request handling is never starved.
+
+Receiving: a `Reader` reads the SUB from the loop's reader callback and hands each message
+to `Subscriber.offer`, which handles it right there when nothing is in progress (the common
+case: one message per engine step, no task, no loop turn) and otherwise queues it behind
+what is (a sync, a gap's replay, earlier queued messages) for the async path, which takes
+them in order under the lock the sync holds.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -92,6 +100,11 @@ _ERR = {k: DECODE_ERRORS.labels(k) for k in ERROR_KINDS}
 
 # Messages handled before yielding to the event loop (bounded time per burst).
 BURST = 32
+# Messages a subscriber queues behind a sync or a gap's replay before its reader stops
+# reading (ZMQ then keeps them, within the SUB's RCVHWM, as before).
+_BACKLOG = BURST
+# Plain ints: pyzmq's enums cost an enum call per use (getsockopt, `&`).
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 # Replay replies a DEALER may queue: vLLM's replay buffer (buffer_steps, 10,000 by
 # default, vllm/distributed/kv_events.py ZmqEventPublisher) and its end marker, with room.
 _REPLAY_RCVHWM = 20_000
@@ -99,32 +112,112 @@ _REPLAY_RCVHWM = 20_000
 _REPLAY_ROUNDS = 20
 
 
-async def receive(
-    sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], Awaitable[None]]
-) -> None:
-    """Hand every message of `sock` to `handle`, in order, for ever; the loop is yielded
-    after each BURST messages or 2 ms (a flood must not starve the request path).
+class Reader:
+    """Hands every message of a ZMQ socket to `handle`, in order, from the event loop's
+    reader callback on the socket's `zmq.FD`: no task, Future or awaited recv per message
+    (pyzmq's asyncio recv costs a Future, its poller bookkeeping, an EVENTS read and call_soon
+    hops: most of a lone message's cost, and vLLM publishes one message per engine step).
 
-    What is already queued is read with plain non-blocking calls on the same socket (a
-    shadow of it): each awaited recv costs a Future, a timeout check and an EVENTS read in
-    pyzmq's asyncio layer, ~5 % of the scorer's CPU under the e2e benchmark's event load."""
-    queued = zmq.Socket.shadow(sock.underlying).recv_multipart
-    n = 0
-    slice_start = time.monotonic()
-    while True:
-        frames = await sock.recv_multipart()
-        while True:
-            await handle(frames)
-            n += 1
-            if n >= BURST or time.monotonic() - slice_start > 0.002:
-                await asyncio.sleep(0)
-                n = 0
-                slice_start = time.monotonic()
-                break
-            try:
-                frames = queued(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+    ZMQ's FD is edge-triggered in effect: it signals a change, not "messages are queued",
+    and any call that processes the socket's commands (a recv, an EVENTS read) may take
+    the signal. So a drain reads until the queue is empty: an EVENTS read after a lone
+    message, a recv's zmq.Again in a burst (cheaper than EVENTS per message); a drain that
+    stops early (BURST messages or 2 ms: a flood must not starve the request path)
+    schedules itself with call_soon, as no new signal would come for what is already
+    queued. `handle` returns False when it took the message but cannot take more for now
+    (its backlog is full): reading stops, ZMQ keeps the rest (its RCVHWM the bound), until
+    `resume()`."""
+
+    def __init__(self, sock: zmq.Socket[Any], handle: Callable[[list[bytes]], bool]) -> None:
+        # Plain non-blocking calls on the same socket: an asyncio socket's methods return
+        # Futures, and pyzmq's own FD reader is never registered (nothing awaits on it).
+        self._sock: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        self._events: Callable[[int], int] = self._sock.get  # type: ignore[assignment]
+        self._handle = handle
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1
+        self._paused = False
+        self._soon: asyncio.Handle | None = None
+        self._done: asyncio.Future[None] | None = None
+
+    async def run(self) -> None:
+        """Read until `close()` (returns) or a socket error (raised); unregisters on exit,
+        so the socket may be closed after."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._done = done = loop.create_future()
+        self._fd = self._sock.FD
+        loop.add_reader(self._fd, self._drain)
+        self._schedule()  # what was queued before the reader existed raises no signal
+        try:
+            await done
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop reading now (synchronously): no `handle` call after this returns."""
+        if self._done is None:
+            return
+        if self._loop is not None and self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            self._fd = -1
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def resume(self) -> None:
+        """Read again after `handle` returned False (its backlog has room again)."""
+        if self._paused:
+            self._paused = False
+            self._schedule()
+
+    def _schedule(self) -> None:
+        if self._soon is None and self._fd >= 0 and self._loop is not None:
+            self._soon = self._loop.call_soon(self._scheduled)
+
+    def _scheduled(self) -> None:
+        self._soon = None
+        self._drain()
+
+    def _drain(self) -> None:
+        if self._fd < 0:
+            return
+        events = self._events
+        try:
+            if self._paused:
+                events(_EVENTS)  # clears the FD's signal: no busy loop while paused
+                return
+            recv = self._sock.recv
+            handle = self._handle
+            n = 0
+            start = time.monotonic()
+            while True:
+                # Frames (copy=False) say whether more follow: no RCVMORE read per frame.
+                try:
+                    f = recv(_NOBLOCK, False)
+                except zmq.Again:
+                    return  # nothing (left): the failed recv read the FD's signal
+                frames = [f.bytes]
+                while f.more:
+                    f = recv(_NOBLOCK, False)
+                    frames.append(f.bytes)
+                if not handle(frames):
+                    self._paused = True
+                    return
+                n += 1
+                if n >= BURST or time.monotonic() - start > 0.002:
+                    self._schedule()  # the loop's other callbacks run first
+                    return
+                # One EVENTS read after a lone message (it reads the FD's signal); in a
+                # burst the next recv's zmq.Again ends the drain instead (EVENTS per
+                # message would cost more than one exception per burst).
+                if n == 1 and not events(_EVENTS) & _POLLIN:
+                    return
+        except Exception as e:  # the socket failed (or a handler raised): the caller's
+            if self._done is not None and not self._done.done():
+                self._done.set_exception(e)
 
 
 @dataclass(slots=True)
@@ -192,6 +285,16 @@ class Subscriber:
         # Handling a message and syncing with the replay socket never interleave.
         self._lock = asyncio.Lock()
         self._syncing: set[asyncio.Task[None]] = set()
+        # Messages waiting for the async path (a sync or a gap's replay in progress, or
+        # earlier messages waiting): raw frames, or a decoded message that needs a replay.
+        # While it is not empty every new message queues behind it (order is the stream's).
+        self._backlog: deque[list[bytes] | Message] = deque()
+        self._worker: asyncio.Task[None] | None = None
+        self._cancelled = False
+        # The reader feeding `offer` (our own socket's, or the pool socket's): resumed when
+        # the backlog is empty again after a full one stopped it.
+        self._reader: Reader | None = None
+        self.resume_reader: Callable[[], None] | None = None
         # Per rank: the batch timestamp of the last applied message (tells the engine that
         # sent seq N from a new engine's seq N) and, after a sync, seq → timestamp of what
         # the buffer held: a live message equal to one of them is a duplicate (the SUB
@@ -213,16 +316,24 @@ class Subscriber:
 
     def cancel(self) -> None:
         """Stop applying now (synchronously: the worker left the pool); `stop()` closes."""
+        self._cancelled = True
+        if self._reader is not None:
+            self._reader.close()  # its callback could run before the task sees the cancel
+        self._backlog.clear()
         for t in (*self._syncing, *self._tasks):
             t.cancel()
+        if self._worker is not None:
+            self._worker.cancel()  # its exit resumes a shared reader its backlog stopped
 
     async def stop(self) -> None:
         """Cancel every task and wait for them, so no socket of ours (a sync's DEALER
         included) is open when the caller terminates the ZMQ context."""
         try:
-            await cancel_and_wait(*self._syncing, *self._tasks)
+            worker = () if self._worker is None else (self._worker,)
+            await cancel_and_wait(*self._syncing, *self._tasks, *worker)
         finally:
             self._tasks.clear()
+            self._backlog.clear()
             self._close()
 
     def _close(self) -> None:
@@ -358,7 +469,13 @@ class Subscriber:
     # ---- receiving ---------------------------------------------------------------------
 
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
-        await receive(sub, self.handle)
+        self._reader = reader = Reader(sub, self.offer)
+        self.resume_reader = reader.resume
+        try:
+            await reader.run()
+        finally:
+            if self._reader is reader:
+                self._reader = self.resume_reader = None
 
     def _error(self, e: DecodeError) -> None:
         _ERR.get(e.kind, DECODE_ERRORS.labels(e.kind)).inc()
@@ -392,22 +509,86 @@ class Subscriber:
             return True
         return False
 
-    async def handle(self, frames: list[bytes]) -> None:
-        """Decode, check the sequence (replay / purge as needed) and apply one message.
-        Never raises: a message that cannot be read or applied is counted and dropped."""
+    def offer(self, frames: list[bytes]) -> bool:
+        """Take one message from the reader: handled at once when nothing is in progress
+        (no sync, no replay, nothing queued), else queued behind what is, for the async
+        path (under the lock, in order). Never raises: a message that cannot be read or
+        applied is counted and dropped. False: queued, and the backlog is full (the reader
+        stops until `resume_reader` is called)."""
+        if self._backlog or self._syncing or self._lock.locked():
+            return self._queue(frames)
+        if self._cancelled:
+            return True
         try:
-            async with self._lock:
-                await self._handle(frames)
+            msg = self._decode(frames)
+            if msg is None or self._handle_now(msg):
+                return True
         except Exception as e:
-            # A bug or an input no check anticipated must cost one message, not the stream.
-            self._drop("internal", detail=f"({type(e).__name__}: {str(e)[:200]})")
+            self._internal(e)
+            return True
+        return self._queue(msg)  # a gap: replayed on the async path, nothing changed yet
 
-    async def _handle(self, frames: list[bytes]) -> None:
+    async def handle(self, frames: list[bytes]) -> None:
+        """`offer` one message and wait until it (and every message before it) is handled."""
+        self.offer(frames)
+        while (worker := self._worker) is not None and not worker.done():
+            await asyncio.wait({worker})
+
+    def _queue(self, item: list[bytes] | Message) -> bool:
+        if self._cancelled:
+            return True
+        self._backlog.append(item)
+        if self._worker is None:
+            self._worker = asyncio.get_running_loop().create_task(
+                self._work(), name=f"kv-events backlog {self.endpoint}"
+            )
+        return len(self._backlog) < _BACKLOG
+
+    async def _work(self) -> None:
+        """Handle the backlog in order, each message under the lock (a sync waiting for it
+        goes between two messages), the loop yielded after BURST messages or 2 ms. A
+        message stays at the head while it is handled, so `offer` queues behind it."""
+        backlog = self._backlog
+        n = 0
+        start = time.monotonic()
         try:
-            msg = decode_message(frames)
+            while backlog:
+                item = backlog[0]
+                try:
+                    async with self._lock:
+                        msg = self._decode(item) if isinstance(item, list) else item
+                        if msg is not None and not self._handle_now(msg):
+                            await self._handle_gap(msg)
+                except Exception as e:
+                    self._internal(e)
+                if backlog and backlog[0] is item:
+                    backlog.popleft()
+                n += 1
+                if n >= BURST or time.monotonic() - start > 0.002:
+                    await asyncio.sleep(0)
+                    n = 0
+                    start = time.monotonic()
+        finally:
+            if self._worker is asyncio.current_task():
+                self._worker = None
+            if self.resume_reader is not None:
+                self.resume_reader()
+
+    def _internal(self, e: Exception) -> None:
+        # A bug or an input no check anticipated must cost one message, not the stream.
+        self._drop("internal", detail=f"({type(e).__name__}: {str(e)[:200]})")
+
+    def _decode(self, frames: list[bytes]) -> Message | None:
+        try:
+            return decode_message(frames)
         except DecodeError as e:
             self._error(e)
-            return
+            return None
+
+    def _handle_now(self, msg: Message) -> bool:
+        """Check the sequence and apply `msg` (or drop it: a bound, a duplicate of what a
+        sync applied); False, having changed nothing, when a gap must be replayed first
+        (`_handle_gap`, which awaits the replay)."""
         rank = msg.batch.dp_rank or 0
         idx = self.applier.index
         if (
@@ -415,23 +596,37 @@ class Subscriber:
             and idx.ranks(self.endpoint) >= self.config.max_ranks_per_worker
         ):
             self._drop("ranks", detail=f"(rank {rank} past {self.config.max_ranks_per_worker})")
-            return
+            return True
         synced = self._synced.get(rank)
+        if synced is not None and synced.get(msg.seq) == msg.batch.ts:
+            return True  # the sync saw it already (the SUB buffered it meanwhile)
+        last = self.stats.last_seq.get(rank)
+        if last is not None and msg.seq > last + 1:
+            return False
         if synced is not None:
-            if synced.get(msg.seq) == msg.batch.ts:
-                return  # the sync saw it already (the SUB buffered it meanwhile)
             del self._synced[rank]
         for err in msg.batch.errors:
             self._error(err)
-        last = self.stats.last_seq.get(rank)
-        if last is not None:
-            if msg.seq <= last:
-                # The engine restarted (seq starts over at 0): everything we knew is gone.
-                self._restarted()
-            elif msg.seq > last + 1:
-                GAPS.inc()
-                self.stats.gaps += 1
-                await self._recover(rank, last + 1, msg.seq)
+        if last is not None and msg.seq <= last:
+            # The engine restarted (seq starts over at 0): everything we knew is gone.
+            self._restarted()
+        self._admit(msg, rank)
+        return True
+
+    async def _handle_gap(self, msg: Message) -> None:
+        """`msg` comes after a gap (`_handle_now` said so, under the same lock hold):
+        replay what is missing (or purge the worker), then apply it."""
+        rank = msg.batch.dp_rank or 0
+        self._synced.pop(rank, None)
+        for err in msg.batch.errors:
+            self._error(err)
+        GAPS.inc()
+        self.stats.gaps += 1
+        await self._recover(rank, self.stats.last_seq[rank] + 1, msg.seq)
+        self._admit(msg, rank)
+
+    def _admit(self, msg: Message, rank: int) -> None:
+        """Apply `msg` within the events-per-second bound (past it: dropped, counted)."""
         if not self._within_rate(len(msg.batch.events)):
             self._drop("rate", len(msg.batch.events))
             self.stats.last_seq[rank] = msg.seq  # consumed: not a gap to replay

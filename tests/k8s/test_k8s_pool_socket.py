@@ -17,6 +17,7 @@ from scorer.blocks import BlockHasher
 from scorer.config import EventsEndpointConfig, WorkerConfig
 from scorer.events import EventIngest
 from scorer.events.pool_socket import PoolEventSocket, topic_endpoint
+from scorer.events.subscriber import BURST
 from scorer.index import BlockIndex
 from scorer.pool import Pool
 
@@ -192,6 +193,58 @@ async def test_restarted_engine_seq_going_back_purges(rig: Rig) -> None:
     await rig.sock.handle(frames(topic, 0, 0))  # the engine restarted: seq from 0
     assert rig.blocks("10.0.0.1:8000") == 1
     assert rig.ingest.subscribers["10.0.0.1:8000"].stats.purges == {"restart": 1}
+
+
+async def _publishing(rig: Rig, *eps: str) -> list[KVEventPublisher]:
+    """A connected publisher per worker, each with its block 0 applied."""
+    assert rig.sock.bound_endpoint is not None
+    pubs = []
+    for ep in eps:
+        pub = KVEventPublisher(rig.sock.bound_endpoint, topic=f"kv@{ep}@m", mode="connect")
+        await pub.start()
+        pubs.append(pub)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while rig.blocks(ep) == 0:  # the subscription reaches a connecting PUB late
+            assert loop.time() < deadline
+            pub._seq = 0
+            pub.publish(stored(0))
+            await asyncio.sleep(0.01)
+    return pubs
+
+
+@pytest.mark.parametrize("then", ["drains", "leaves"])
+async def test_a_stream_behind_a_sync_stops_the_shared_reader_until_it_drains_or_leaves(
+    rig: Rig, then: str
+) -> None:
+    w1, w2 = "10.0.0.1:8000", "10.0.0.2:8000"
+    ev = EventsEndpointConfig(endpoint="pool", mode="pool")
+    rig.pool.add(WorkerConfig(endpoint=w2, events=ev), "ready")
+    p1, p2 = await _publishing(rig, w1, w2)
+    try:
+        s1 = rig.ingest.subscribers[w1]
+        await s1._lock.acquire()  # what a long sync of worker 1 holds
+        for i in range(1, 2 * BURST + 1):
+            p1.publish(stored(i))
+        # Its backlog takes BURST messages, then the reader stops: the rest wait in ZMQ
+        # (bounded by its RCVHWM), not in our memory.
+        await until(lambda: len(s1._backlog) == BURST)
+        p2.publish(stored(1))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert len(s1._backlog) == BURST
+        if then == "drains":
+            s1._lock.release()
+            await until(lambda: rig.blocks(w1) == 2 * BURST + 1)
+            assert s1.stats.last_seq == {0: 2 * BURST} and s1.stats.gaps == 0
+        else:
+            # Worker 1 leaves while its backlog is full: the reader goes on for the others.
+            rig.pool.remove(w1, "not_ready")
+            s1._lock.release()
+        await until(lambda: rig.blocks(w2) == 2)
+    finally:
+        await p1.stop()
+        await p2.stop()
 
 
 def test_bad_bind_address_names_the_field() -> None:
