@@ -15,25 +15,84 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
 
 from scorer.blocks import MASK60, BlockHasher, engine_key, namespace_key
 from scorer.events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from scorer.histogram import LoopHistogram
 from scorer.index import BlockIndex
 from scorer.native import NATIVE
 
 log = logging.getLogger(__name__)
 
-EVENTS_APPLIED = Counter(
+
+class LoopCounterChild:
+    """One label set's count."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add `amount` (one addition: no lock)."""
+        self.value += amount
+
+
+class LoopCounter:
+    """A counter family counted in plain floats and exposed at scrape time through the
+    registry's collector interface, as `scorer.histogram.LoopHistogram` does for
+    histograms (same family and `_total` samples, no `_created`; increments and scrapes
+    run on the event loop). A prometheus_client `Counter.inc` takes a lock, ~1 µs: every
+    applied batch counted two."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        self.name = name.removesuffix("_total")
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], LoopCounterChild] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> LoopCounterChild:
+        """The child for one label set (created on first use, shown from then on)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = LoopCounterChild()
+        return child
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples (the registry checks names against it)."""
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        """The family with one `_total` sample per label set."""
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in list(self._children.items()):
+            fam.add_metric(list(key), child.value)
+        yield fam
+
+
+EVENTS_APPLIED = LoopCounter(
     "kv_scorer_events_applied_total",
     "KV events applied to the index, by type and outcome",
     ["type", "outcome"],
 )
-BLOCKS_APPLIED = Counter(
+BLOCKS_APPLIED = LoopCounter(
     "kv_scorer_event_blocks_total", "Blocks carried by applied KV events", ["type"]
 )
 BLOCK_SIZE_MISMATCH = Counter(
@@ -41,7 +100,8 @@ BLOCK_SIZE_MISMATCH = Counter(
     "BlockStored events whose block_size differs from pool.block_size (not indexed)",
     ["endpoint"],
 )
-EVENT_LAG = Histogram(
+# Observed on the loop once per applied batch: a LoopHistogram (~0.15 µs, not ~1.3).
+EVENT_LAG = LoopHistogram(
     "kv_scorer_event_lag_seconds",
     "Wall-clock delay between a batch's ts and its application",
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
@@ -123,6 +183,17 @@ class _Pending:
         self.ekeys: list[int] | array[int] = array("Q") if packed else []
         self.keys: list[int] | array[int] = array("Q") if packed else []
 
+    def reset(self, endpoint: str, rank: int | None) -> None:
+        """Ready for another batch (one per Applier: most batches store one or no block,
+        and two fresh arrays per batch cost more than the rest of an empty one). Blocks
+        left by a batch that raised half-way are dropped, never added to this one."""
+        self.endpoint = endpoint
+        self.rank = rank
+        self.medium = None
+        if self.keys or self.ekeys:
+            self.ekeys = array("Q") if self.packed else []
+            self.keys = array("Q") if self.packed else []
+
     def flush(self) -> None:
         if self.keys:
             self.index.add(self.endpoint, self.rank, self.ekeys, self.keys, self.medium or "GPU")
@@ -149,6 +220,8 @@ class Applier:
         self._fused = NATIVE.stored_chain if fused and NATIVE is not None else None
         self._run = NATIVE.stored_events if fused and NATIVE is not None else None
         self.stats: dict[str, ApplyStats] = {}
+        self._pend = _Pending("", None, index, self._fused is not None)
+        self._lag = EVENT_LAG.labels()
 
     def _st(self, endpoint: str) -> ApplyStats:
         st = self.stats.get(endpoint)
@@ -160,14 +233,15 @@ class Applier:
         """Apply every event of a batch (rank: the batch's data_parallel_rank if None)."""
         r = batch.dp_rank if rank is None else rank
         if batch.ts > 0:
-            EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
+            self._lag.observe(max(0.0, time.time() - batch.ts))
         st = self._st(endpoint)
         # Metrics are counted per batch, not per event: a prometheus inc takes a lock.
         ok_events = ok_blocks = 0
         # Consecutive BlockStored events of one medium go to the index in ONE add (decode
         # steps send one 1-block event per request): `pend` holds them until a different
         # event, medium or an unknown parent (maybe pending) needs the index up to date.
-        pend = _Pending(endpoint, r, self.index, self._fused is not None)
+        pend = self._pend
+        pend.reset(endpoint, r)
         stored = self._stored
         events = batch.events
         run = self._run

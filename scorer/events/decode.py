@@ -524,20 +524,27 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big")
 
 
+_FRAME_TYPES = (bytes, bytearray, memoryview)
+
+
 def decode_message(frames: Sequence[bytes], native: bool | None = None) -> Message:
     """A 3-frame ZMQ message ``[topic, seq, payload]`` → Message (`native`: as in
     `decode_payload`)."""
     if len(frames) != 3:
         raise DecodeError("frames", f"{len(frames)} frames (need 3: topic, seq, payload)")
     topic_b, seq_b, payload = frames
-    if not all(isinstance(f, bytes | bytearray | memoryview) for f in frames):
-        raise DecodeError("frames", "frames must be bytes")
+    if type(topic_b) is not bytes or type(seq_b) is not bytes or type(payload) is not bytes:
+        # (What a socket gives is bytes: the checks and copies only for anything else.)
+        if not all(isinstance(f, _FRAME_TYPES) for f in frames):
+            raise DecodeError("frames", "frames must be bytes")
+        topic_b, seq_b, payload = bytes(topic_b), bytes(seq_b), bytes(payload)
     try:
-        topic = bytes(topic_b).decode("utf-8")
+        topic = topic_b.decode("utf-8")
     except UnicodeDecodeError:
         raise DecodeError("topic", "topic is not UTF-8") from None
-    seq = decode_seq(bytes(seq_b))
-    return Message(topic, seq, decode_payload(bytes(payload), native))
+    if len(seq_b) != 8:
+        raise DecodeError("seq", f"sequence frame of {len(seq_b)} bytes (need 8)")
+    return Message(topic, int.from_bytes(seq_b, "big"), decode_payload(payload, native))
 
 
 def split_replay_reply(frames: Sequence[bytes]) -> tuple[str | None, bytes, bytes]:

@@ -636,7 +636,13 @@ class Subscriber:
     def _apply(self, msg: Message, rank: int) -> None:
         cap = self.config.max_blocks_per_event
         events = msg.batch.events
-        if any(not isinstance(e, AllBlocksCleared) and len(e.block_hashes) > cap for e in events):
+        cleared = over = False
+        for e in events:  # one plain pass (a batch holds one or two events, as a rule)
+            if isinstance(e, AllBlocksCleared):
+                cleared = True
+            elif len(e.block_hashes) > cap:
+                over = True
+        if over:
             kept = [
                 e for e in events if isinstance(e, AllBlocksCleared) or len(e.block_hashes) <= cap
             ]
@@ -645,7 +651,7 @@ class Subscriber:
         if self.on_message is not None:
             self.on_message(msg)
         self.applier.apply(self.endpoint, msg.batch, rank)
-        if any(isinstance(e, AllBlocksCleared) for e in msg.batch.events):
+        if cleared:
             PURGES.labels("cleared").inc()
             self._count(self.stats.purges, "cleared")
             self.status.purges += 1

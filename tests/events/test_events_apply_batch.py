@@ -103,3 +103,25 @@ def test_interleaved_chains_in_one_batch() -> None:
     mb = idx.match(hasher.keys(b))["w"]
     assert mb.blocks == 3 and mb.by_medium == {"GPU": 2, "CPU": 1}
     assert ap.stats["w"].stored == 6 and ap.stats["w"].unknown_parent == 0
+
+
+@pytest.mark.parametrize("native", [False, None])
+def test_blocks_pending_when_a_batch_raised_never_reach_the_next_one(
+    native: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hasher = BlockHasher(BS)
+    index = BlockIndex()
+    applier = Applier(index, hasher, native=native)
+    if native is None and applier._fused is None:
+        pytest.skip("scorer.native is not built")
+    tokens = list(range(BS))
+    # A store is pending when the next one (its parent unknown: looked up) raises.
+    monkeypatch.setattr(index, "lookup_engine", lambda *a: (_ for _ in ()).throw(RuntimeError("x")))
+    batch = [BlockStored([7], None, tokens, BS), BlockStored([9], 12345, tokens, BS)]
+    with pytest.raises(RuntimeError):
+        applier.apply("a", EventBatch(1.0, batch))
+    monkeypatch.undo()
+    # The next batch (another worker's, one store of its own) adds only its own block.
+    applier.apply("b", EventBatch(1.0, [BlockStored([8], None, tokens[::-1], BS)]))
+    assert index.stats("b")["blocks"]["GPU"] == 1
+    assert index.lookup_engine("b", None, 7) is None
