@@ -19,7 +19,10 @@ Reported per message: the child's process CPU (its ZMQ I/O thread included; ±50
 run on a shared VM) and, with `--instructions`, the instructions (Ir) the child executes,
 counted by callgrind (the child runs under `valgrind --tool=callgrind`; counts zeroed
 after the warm-up, dumped after the window, an idle window as long subtracted; `--gap-ms`
-is then raised to 20 so that valgrind's ~50x slow-down still handles each message alone).
+is then raised to 20 so that valgrind's ~50x slow-down still handles each message alone,
+and the child's `time.monotonic` runs `--clock-scale` (50) times slower: the receive
+loop's 2 ms slice would otherwise end after every message under valgrind, a yield and a
+re-read that native runs never make, before this branch and after).
 Instructions do not swing: the A/B figure. Run it on another tree's code with
 `PYTHONPATH=<that tree>`. Writes bench/out/event_wakeup.json.
 """
@@ -54,6 +57,13 @@ async def _subscriber(endpoint: str) -> None:
     `report` → `<messages handled> <user CPU s> <system CPU s>`; `wait N` → the same once N are
     handled; `quit`. Handled messages are counted by `on_message` (once each, applied)."""
     import zmq.asyncio
+
+    scale = float(os.environ.get("KVS_WAKEUP_CLOCK_SCALE", "1"))
+    if scale != 1.0:
+        # The receive path's slice bound (BURST messages or 2 ms) reads time.monotonic;
+        # under callgrind every message would take past 2 ms, which native runs never do.
+        real = time.monotonic
+        time.monotonic = lambda: real() / scale
 
     from scorer.blocks import BlockHasher
     from scorer.config import EventsConfig, EventsEndpointConfig, IndexConfig
@@ -183,6 +193,8 @@ async def measure(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, A
     await pub.start()
     assert pub.bound_endpoint is not None
     env = dict(os.environ)
+    if args.instructions:
+        env["KVS_WAKEUP_CLOCK_SCALE"] = str(args.clock_scale)
     argv = [sys.executable, __file__, "--child", pub.bound_endpoint]
     out_file = tmp / f"callgrind-{kind}.out"
     if args.instructions:
@@ -267,6 +279,12 @@ def main() -> int:
     ap.add_argument("--kinds", default="empty,stored1")
     ap.add_argument("--repeats", type=int, default=1, help="alternated runs (median CPU)")
     ap.add_argument("--instructions", action="store_true", help="count Ir with callgrind")
+    ap.add_argument(
+        "--clock-scale",
+        type=float,
+        default=50.0,
+        help="with --instructions: the child's time.monotonic runs this much slower",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/out/event_wakeup.json")
     ap.add_argument("--keep", metavar="DIR", help="copy the callgrind dumps here")
     ap.add_argument("--child", metavar="ENDPOINT", help=argparse.SUPPRESS)

@@ -207,13 +207,13 @@ class Reader:
                     self._paused = True
                     return
                 n += 1
-                if n >= BURST or time.monotonic() - start > 0.002:
-                    self._schedule()  # the loop's other callbacks run first
-                    return
                 # One EVENTS read after a lone message (it reads the FD's signal); in a
                 # burst the next recv's zmq.Again ends the drain instead (EVENTS per
                 # message would cost more than one exception per burst).
                 if n == 1 and not events(_EVENTS) & _POLLIN:
+                    return
+                if n >= BURST or time.monotonic() - start > 0.002:
+                    self._schedule()  # more is queued: the loop's other callbacks first
                     return
         except Exception as e:  # the socket failed (or a handler raised): the caller's
             if self._done is not None and not self._done.done():
