@@ -332,8 +332,11 @@ class Applier:
             if parent is None:
                 # A chain we cannot place (its parent was never seen or already evicted).
                 return self._fail(st, "unknown_parent")
+        ek = ev.extra_keys
         plain = (
-            ev.extra_keys is None
+            # No extra key for any block (vLLM >= 0.20 sends one None per block): the
+            # namespace is the base chain's, as `_keys` would find.
+            (ek is None or ek.count(None) == len(ek))
             and ev.lora_name is None
             and ev.lora_id is None
             and ev.cache_salt is None

@@ -729,7 +729,10 @@ cdef object _opt_medium(_Cur* c):
 cdef enum:
     # BlockStored fields by position (vLLM 0.9-0.23 array events); map keys map onto them.
     F_HASHES, F_PARENT, F_TOKENS, F_BS, F_LORA_ID, F_MEDIUM, F_LORA_NAME, F_EXTRA, F_GROUP,
-    F_SALT, F_N
+    F_SALT, F_N,
+    # Map keys the reference decode ignores (no field of ours), taken with a scalar value:
+    # vLLM >= 0.22 fills kv_cache_spec_kind on every event, 0.30+ may add session_id.
+    K_SPEC_KIND, K_SPEC_WINDOW, K_SESSION
 
 cdef inline bint _is(const uint8_t* s, Py_ssize_t n, const char* name, Py_ssize_t m) noexcept:
     return n == m and memcmp(s, name, m) == 0
@@ -757,6 +760,12 @@ cdef inline int _key_id(const uint8_t* s, Py_ssize_t n) noexcept:
         return F_GROUP
     if _is(s, n, "cache_salt", 10):
         return F_SALT
+    if _is(s, n, "kv_cache_spec_kind", 18):
+        return K_SPEC_KIND
+    if _is(s, n, "kv_cache_spec_sliding_window", 28):
+        return K_SPEC_WINDOW
+    if _is(s, n, "session_id", 10):
+        return K_SESSION
     return -1
 
 
@@ -764,6 +773,27 @@ cdef int _field(_Cur* c, int f, list out) except -1:
     """Read field `f` of an event into out[f] → 1, or 0 when not taken."""
     cdef uint64_t v
     cdef object o
+    cdef const uint8_t* s
+    cdef Py_ssize_t n, k
+    if f >= F_N:  # a key the reference ignores: skipped, when its value is a plain scalar
+        if _nil(c):
+            return 1
+        if f == K_SPEC_WINDOW:
+            return _uint(c, &v)
+        return _str(c, &s, &n)
+    if f == F_EXTRA:
+        # nil, or one nil per block (vLLM >= 0.20 on the plain path: no extra key for any
+        # block), kept as the reference keeps it ([None] * n); anything else is not taken.
+        if _nil(c):
+            out[f] = None
+            return 1
+        if not _arr_len(c, &n):
+            return 0
+        for k in range(n):
+            if not _nil(c):
+                return 0
+        out[f] = [None] * n
+        return 1
     if f == F_HASHES:
         o = _packed(c, _U64, U64MAX)
     elif f == F_TOKENS:
@@ -792,7 +822,7 @@ cdef int _field(_Cur* c, int f, list out) except -1:
             return 0
         out[f] = o
         return 1
-    else:  # lora_id, lora_name, extra_keys, cache_salt: only absent / nil here
+    else:  # lora_id, lora_name, cache_salt: only absent / nil here
         if not _nil(c):
             return 0
         out[f] = None
@@ -882,7 +912,7 @@ def decode_batch(payload, stored_cls, removed_cls, cleared_cls, normalize):
                 events.append(stored_cls(
                     f[F_HASHES], f[F_PARENT], f[F_TOKENS], f[F_BS], None,
                     "GPU" if mraw is None or mraw == "GPU" else normalize(mraw), mraw,
-                    None, None, f[F_GROUP], None))
+                    None, f[F_EXTRA], f[F_GROUP], None))
             elif _is(s, ks, "BlockRemoved", 12):
                 seen = 0
                 if is_map:
@@ -945,10 +975,23 @@ cdef inline void _chain_into(const uint8_t* data, const unsigned long long* hs, 
         eo[i] = hs[i] & MASK60
 
 
+cdef inline bint _no_extra_keys(object ek):
+    """None, or a list of None only (one per block): no block has an extra key."""
+    if ek is None:
+        return True
+    if type(ek) is not list:
+        return False
+    for x in <list>ek:
+        if x is not None:
+            return False
+    return True
+
+
 def stored_events(list events, Py_ssize_t i, object stored_cls, object medium,
                   Py_ssize_t block_size, object emap, array keys_out, array ekeys_out):
     """Apply's BlockStored loop for a run of plain events, from events[i]: each one of
-    type `stored_cls` on `medium`, group 0, `block_size`, no LoRA / extra keys / salt,
+    type `stored_cls` on `medium`, group 0, `block_size`, no LoRA / salt and no block with
+    an extra key (extra_keys None or all None),
     packed hashes and ids, >= 1 full block, and a parent that is the pending tail or in
     `emap` (the slot's EngineMap, or None). Their keys and engine keys are appended to the
     packed pending arrays. Stops at the first other event (the reference code takes it).
@@ -969,8 +1012,8 @@ def stored_events(list events, Py_ssize_t i, object stored_cls, object medium,
             break
         if ev.group_idx or ev.block_size != block_size:
             break
-        if (ev.extra_keys is not None or ev.lora_name is not None or ev.lora_id is not None
-                or ev.cache_salt is not None):
+        if (not _no_extra_keys(ev.extra_keys) or ev.lora_name is not None
+                or ev.lora_id is not None or ev.cache_salt is not None):
             break
         t = ev.token_ids
         h = ev.block_hashes

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+from array import array
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ _stored = st.tuples(
     st.sampled_from([BS, BS, 8]),  # block_size (8: mismatch)
     st.sampled_from([None, None, "lora-a"]),
     st.booleans(),  # map-shaped (0.24+) or positional
+    # extra keys: absent; one None per block (vLLM >= 0.20, with kv_cache_spec_kind in a
+    # map, >= 0.22); the last block's own key (multimodal); an empty list
+    st.sampled_from(["absent", "none", "none", "mixed", "empty"]),
 )
 _op = st.one_of(
     st.tuples(st.just("store"), _stored),
@@ -130,19 +134,26 @@ def _streams(ops: list[tuple[Any, ...]], workers: int = 2) -> list[tuple[str, li
     for i, op in enumerate(ops):
         ep = f"w{i % workers}"
         if op[0] == "store":
-            n, pchoice, over, medium, bs, lora, as_map = op[1]
+            n, pchoice, over, medium, bs, lora, as_map, *more = op[1]
+            extras = more[0] if more else "absent"
             parent = issued[pchoice % len(issued)] if issued and pchoice >= 0 else None
             hashes = list(range(nxt, nxt + n))
             nxt += n
             issued += hashes
             toks = [(nxt * 7 + j) % 50 for j in range(n * BS)]
             toks[: len(over)] = over
+            ek = {"none": [None] * n, "mixed": [None] * (n - 1) + [["mm"]], "empty": []}
             if as_map:
                 ev: Any = {"type": "BlockStored", "block_hashes": hashes,
                            "parent_block_hash": parent, "token_ids": toks, "block_size": bs,
                            "medium": medium, "lora_name": lora}  # fmt: skip
+                if extras != "absent":
+                    ev.update(extra_keys=ek[extras], group_idx=0)
+                    ev["kv_cache_spec_kind"] = "full_attention"
             else:
                 ev = ["BlockStored", hashes, parent, toks, bs, None, medium, lora]
+                if extras != "absent":
+                    ev += [ek[extras], 0]
             out.append((ep, _frames([ev])))
         elif op[0] == "remove":
             h = issued[op[1] % len(issued)] if issued else op[1]
@@ -180,6 +191,16 @@ def _streams(ops: list[tuple[Any, ...]], workers: int = 2) -> list[tuple[str, li
     2,
 )
 @example([("store", (4, -1, [2**32 - 1], "STORAGE", BS, None, True)), ("cut", 1)], 1)
+@example(
+    [
+        ("store", (2, -1, [], None, BS, None, True, "none")),
+        ("store", (1, 1, [], None, BS, None, False, "none")),
+        ("store", (2, 2, [], "CPU", BS, None, True, "mixed")),
+        ("store", (1, 0, [], None, BS, "lora-a", False, "none")),
+        ("store", (1, 3, [], None, BS, None, True, "empty")),
+    ],
+    1,
+)
 def test_event_streams_mean_the_same(ops: list[tuple[Any, ...]], workers: int) -> None:  # fmt: skip
     _same(_streams(ops, workers))
 
@@ -234,9 +255,17 @@ def test_fused_decoder_takes_the_common_shapes_of_every_era() -> None:
     stored_m = {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": 2**64 - 1,
                 "token_ids": [2**32 - 1] * BS, "block_size": BS, "lora_id": None,
                 "medium": "GPU", "lora_name": None, "extra_keys": None, "group_idx": 0}  # fmt: skip
+    # vLLM >= 0.20: one None extra key per block and a group_idx; 0.22+ maps add
+    # kv_cache_spec_kind (and the sliding window, nil), 0.30+ may add a session_id.
+    stored_a21 = [*stored_a, None, [None, None], 0]
+    stored_m25 = {**stored_m, "extra_keys": [None], "kv_cache_spec_kind": "full_attention",
+                  "kv_cache_spec_sliding_window": None, "session_id": "s-1"}  # fmt: skip
+    stored_m_window = {**stored_m25, "kv_cache_spec_sliding_window": 128, "session_id": None}
     for events in (
         [stored_a, ["BlockRemoved", [1], "cpu"], ["AllBlocksCleared"]],
         [stored_m, {"type": "BlockRemoved", "block_hashes": [3]}, {"type": "AllBlocksCleared"}],
+        [stored_a21, ["BlockRemoved", [1], "GPU", 0]],
+        [stored_m25, stored_m_window, {"type": "BlockRemoved", "block_hashes": [3]}],
     ):
         for rank in (None, 0, 3):
             payload = _frames(events, rank)[2]
@@ -249,6 +278,8 @@ def test_fused_decoder_takes_the_common_shapes_of_every_era() -> None:
 
 def test_fused_decoder_leaves_every_other_shape_to_the_reference_paths() -> None:
     base = ["BlockStored", [1], None, list(range(BS)), BS]
+    plain_m = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * BS,
+               "block_size": BS}  # fmt: skip
     others: list[Any] = [
         [[*base[:4], 0]],  # block_size 0
         [["BlockStored", [-1], None, list(range(BS)), BS]],  # old vLLM's negative hashes
@@ -257,6 +288,13 @@ def test_fused_decoder_leaves_every_other_shape_to_the_reference_paths() -> None
         [[*base, 7]],  # a LoRA id
         [[*base, None, None, "lora-a"]],  # a LoRA name
         [[*base, None, None, None, [["mm"]]]],  # extra keys
+        [[*base, None, None, None, [None, ["mm"]]]],  # one block's extra key
+        [[*base, None, None, None, [None], 0, "full_attention"]],  # a field past group_idx
+        # keys the reference ignores: with a value the fused decoder does not skip, or
+        # one nobody sends
+        [{**plain_m, "kv_cache_spec_kind": 5}],
+        [{**plain_m, "session_id": ["s"]}],
+        [{**plain_m, "other": None}],
         [["BlockStored", [1], -5, list(range(BS)), BS]],  # negative parent
         [{"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "cache_salt": "s"}],
         [{"block_hashes": [1], "type": "BlockStored", "token_ids": [1] * BS, "block_size": BS}],
@@ -267,6 +305,12 @@ def test_fused_decoder_leaves_every_other_shape_to_the_reference_paths() -> None
         payload = _frames(events)[2]
         assert _fused(payload) is None, events
         _same([("w", _frames(events))])
+    # A key twice (a map literal cannot say it): the reference decides.
+    pairs = [*(msgspec.msgpack.encode(x) for kv in plain_m.items() for x in kv)]
+    pairs += [msgspec.msgpack.encode(x) for x in ("kv_cache_spec_kind", "a") * 2]
+    twice = b"\x93" + msgspec.msgpack.encode(1.5) + b"\x91\x86" + b"".join(pairs) + b"\x00"
+    assert _fused(twice) is None
+    _same([("w", [b"t", bytes(8), twice])])
     _same([("w", _frames([base, {"type": "AllBlocksCleared"}]))])  # eras mixed: fused, same
     good = _frames([base])[2]
     assert _fused(good) is not None
@@ -312,3 +356,33 @@ def test_shared_chains_and_removals_mean_the_same() -> None:
     streams += streams[:4]
     _same(streams)
     _same(streams, max_blocks=10)  # eviction on the packed path
+
+
+def test_fused_decoder_takes_every_clean_vector_of_the_plain_path() -> None:
+    # Every release's plain BlockStored (no LoRA, no salt): the one-pass decode, then the
+    # compiled apply loop (vLLM >= 0.20 sends one None extra key per block, which both
+    # once refused: every stored block of a current vLLM took the slower paths).
+    from scorer.events import decode as d
+    from scorer.native import NATIVE
+
+    assert NATIVE is not None
+    taken = 0
+    for v in VECTORS["versions"]:
+        for c in v["cases"]:
+            if c["name"] not in ("single_block_stored", "chained_multi_block_stored"):
+                continue
+            for m in c["messages"]:
+                payload = base64.b64decode(m["parts_b64"][2])
+                got = _fused(payload)
+                assert got is not None, (v["vllm_version"], c["name"])
+                side = Side(True, bs=16)
+                pend = array("Q"), array("Q")
+                j, blocks = NATIVE.stored_events(
+                    got[1], 0, d.BlockStored, "GPU", 16, None, pend[0], pend[1]
+                )
+                ev = got[1][0]
+                if ev.parent_block_hash is None:  # (a parent needs the slot's map)
+                    assert (j, blocks) == (len(got[1]), len(ev.block_hashes))
+                assert side.feed("w", [b"t", bytes(8), payload])
+                taken += 1
+    assert taken >= 8
