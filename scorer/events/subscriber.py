@@ -156,15 +156,13 @@ class Reader:
 
     def close(self) -> None:
         """Stop reading now (synchronously): no `handle` call after this returns."""
-        if self._done is None:
-            return
         if self._loop is not None and self._fd >= 0:
             self._loop.remove_reader(self._fd)
             self._fd = -1
         if self._soon is not None:
             self._soon.cancel()
             self._soon = None
-        if not self._done.done():
+        if self._done is not None and not self._done.done():
             self._done.set_result(None)
 
     def resume(self) -> None:
@@ -216,8 +214,10 @@ class Reader:
                     self._schedule()  # more is queued: the loop's other callbacks first
                     return
         except Exception as e:  # the socket failed (or a handler raised): the caller's
-            if self._done is not None and not self._done.done():
-                self._done.set_exception(e)
+            done = self._done
+            self.close()  # nothing more is read (or handled) from this reader
+            if done is not None and not done.done():
+                done.set_exception(e)
 
 
 @dataclass(slots=True)
