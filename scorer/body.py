@@ -31,9 +31,11 @@ _MAX_TRIES = 4
 _MARK = b"7952834521136472161"
 _MARK_VALUE = int(_MARK)
 _NATIVE_JSON_IDS = getattr(NATIVE, "json_ids_u32", None)
-# Below this many body bytes the one-pass decode is as cheap (a 1k-id prompt is ~6 KB;
-# bench/bench_tokens.py --parse measures both ways).
-PACK_MIN_BYTES = 4096
+# Below this many body bytes the one-pass decode is as cheap (64 ids, ~0.6 KB: 5.0-5.8 µs
+# both ways; 288 ids, 2.2 KB: 10.3 µs decoded and packed against 4.6 packed, and ~67k
+# instructions less per request through the director, callgrind over bench/profile_kv.py;
+# bench/bench_tokens.py --parse measures both ways for larger prompts).
+PACK_MIN_BYTES = 1024
 
 
 def _ids(packed: bytes) -> array[int]:
