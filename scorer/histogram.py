@@ -1,4 +1,4 @@
-"""A Prometheus histogram for values observed on the event loop, at a tenth of the cost.
+"""Prometheus histograms and counters for values observed on the event loop, cheaply.
 
 `prometheus_client.Histogram.observe` takes a lock per call, walks the buckets in Python
 and increments a locked value per bucket hit plus one for the sum: ~1.5 µs per
@@ -9,17 +9,22 @@ per-bucket counts in a plain list (one `bisect` and two additions per observatio
 collector interface. The exposed family is the same: name, help, label names, `le`
 buckets, `_count` and `_sum` (it has no `_created` sample).
 
+`LoopCounter` does the same for a counter: `prometheus_client.Counter.inc` costs ~4,600
+instructions (two Python frames and a lock), a `LoopCounter` child's `value += 1` ~100;
+the family exposed is a counter's (`_total`, `_created` per label set).
+
 There is no lock: observe and collect must run on one thread. The decision bookkeeping
 (scorer.director) and `/metrics` (scorer.api.admin) both run on the event loop.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
@@ -94,4 +99,59 @@ class LoopHistogram:
                 acc += n
                 buckets.append((le, float(acc)))
             fam.add_metric(list(key), buckets, child.sum)
+        yield fam
+
+
+class CounterChild:
+    """One label set's count (add to `value` directly on the hot path)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add `amount` (>= 0, as a Prometheus counter)."""
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class LoopCounter:
+    """A labelled counter family registered as a collector (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        # prometheus_client's name handling: the family drops `_total`, samples add it back.
+        self.name = name[: -len("_total")] if name.endswith("_total") else name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> CounterChild:
+        """The child for one label set (created on first use; keep it to skip the lookup)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = CounterChild()
+        return child
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples (the registry checks names against it)."""
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        """The family with `_total` and `_created` per label set."""
+        fam = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in list(self._children.items()):
+            fam.add_metric(list(key), child.value, created=child.created)
         yield fam

@@ -3,20 +3,18 @@
 Every decision, from the data path or the Score RPC, goes through `Director` bookkeeping, which
 calls `observe_decision` once: decisions by policy and reason, matched-token ratio and
 stage latencies. The histograms are `scorer.histogram.LoopHistogram`s (observed on the
-event loop, ~0.15 µs each instead of prometheus_client's ~1.5 µs; same families).
+event loop, ~0.15 µs each instead of prometheus_client's ~1.5 µs; same families), the
+counter a `LoopCounter` (~100 instructions an increment instead of ~4,600).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any
 
-from prometheus_client import Counter
-
-from scorer.histogram import HistogramChild, LoopHistogram
+from scorer.histogram import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from scorer.routing import Decision
 
-DECISIONS = Counter(
+DECISIONS = LoopCounter(
     "kv_scorer_decisions_total", "Routing decisions by policy and reason", ["policy", "reason"]
 )
 # Labelled children resolved once (below): labels() costs a lock and a dict lookup per call.
@@ -54,11 +52,11 @@ STAGES = ("parse", "tokenize", "hash", "match", "score", "explain", "total")
 _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
 # Per (policy, reason): its counter child and the policy's ratio child (created on first
 # use, as labels() would: a label set appears once it is observed).
-_by_key: dict[tuple[str, str], tuple[Any, list[HistogramChild | None]]] = {}
+_by_key: dict[tuple[str, str], tuple[CounterChild, list[HistogramChild | None]]] = {}
 _ratio_children: dict[str, list[HistogramChild | None]] = {}
 
 
-def _resolve(key: tuple[str, str]) -> tuple[Any, list[HistogramChild | None]]:
+def _resolve(key: tuple[str, str]) -> tuple[CounterChild, list[HistogramChild | None]]:
     ratio = _ratio_children.get(key[0])
     if ratio is None:
         ratio = _ratio_children[key[0]] = [None]
@@ -73,7 +71,7 @@ def observe_decision(d: Decision) -> None:
     got = _by_key.get(key)
     if got is None:
         got = _resolve(key)
-    got[0].inc()
+    got[0].value += 1.0
     children = _stage_children
     for stage, seconds in d.stages.items():
         child = children.get(stage)

@@ -410,20 +410,20 @@ def test_text_prompts_go_inline_by_measured_cost(monkeypatch: pytest.MonkeyPatch
 
     def threads(body: dict[str, Any]) -> set[int]:
         seen: set[int] = set()
-        real = t.prepare_sync
+        real = t._fill  # the work prepare runs inline or in the pool
 
-        def spy(request: RoutingRequest) -> None:
+        def spy(request: RoutingRequest, model: Any, doc: Any) -> str:
             seen.add(threading.get_ident())
-            real(request)
+            return real(request, model, doc)
 
-        t.prepare_sync = spy  # type: ignore[method-assign]
+        t._fill = spy  # type: ignore[method-assign]
         try:
             req = RoutingRequest(request_id="t", model="qwen3", body=body)
             req.body_bytes = len(str(body))
             run_on_default_loop(t.prepare(req))
             assert req.token_ids is not None
         finally:
-            del t.prepare_sync
+            del t._fill
         return seen
 
     try:
