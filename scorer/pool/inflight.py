@@ -106,11 +106,12 @@ class InflightTracker:
         if not in_prefill:
             self.first_byte(request_id)
 
-    def finished(self, request_id: str) -> None:
-        """The stream ended (normally, by error or by client reset)."""
+    def finished(self, request_id: str) -> str | None:
+        """The stream ended (normally, by error or by client reset). Returns the endpoint
+        it was in flight on (None: not in flight), as `endpoint_of` said before the call."""
         f = self._flights.pop(request_id, None)
         if f is None:
-            return
+            return None
         wl = self._counters(f.endpoint)
         wl.requests -= 1
         if f.in_prefill:
@@ -121,6 +122,7 @@ class InflightTracker:
             wl.decode_blocks -= f.total_blocks
         if wl.requests <= 0 and f.endpoint not in self._members:
             del self.loads[f.endpoint]
+        return f.endpoint
 
     def drop_endpoint(self, endpoint: str) -> int:
         """Forget every in-flight request on `endpoint` (the worker was ejected): its counters
