@@ -36,8 +36,8 @@ class PluginOptions(PolicyOptions):
 
 # The empty lookup (no index, no block keys); shared, never changed.
 NO_MATCHES: Mapping[str, MatchLike] = {}
-# Worker.endpoint without the property call (one C-level getter over all candidates).
-_endpoint = attrgetter("config.endpoint")
+# Worker.endpoint, one C-level getter over all candidates.
+_endpoint = attrgetter("endpoint")
 
 
 class Cycle:

@@ -97,18 +97,23 @@ class Worker:
     # Where it came from: "config", or the pod ("namespace/name", uid) that owns the address.
     pod: str | None = None
     pod_uid: str | None = None
+    # config.endpoint and config.models as plain attributes: every decision reads them,
+    # and each read of a pydantic model's attribute goes through its __getattr__ hook
+    # (a property on top of that cost ~1,100 instructions a read).
+    endpoint: str = field(init=False)
+    models: list[str] = field(init=False, repr=False)
 
-    @property
-    def endpoint(self) -> str:
-        return self.config.endpoint
+    def __post_init__(self) -> None:
+        self.endpoint = self.config.endpoint
+        self.models = self.config.models
 
     @property
     def ip(self) -> str:
-        return self.config.endpoint.rsplit(":", 1)[0].strip("[]")
+        return self.endpoint.rsplit(":", 1)[0].strip("[]")
 
     def serves(self, model: str | None) -> bool:
         """True when the worker lists no models, or lists this one."""
-        return model is None or not self.config.models or model in self.config.models
+        return model is None or not self.models or model in self.models
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +239,7 @@ class Pool:
             return [
                 w
                 for w in self.workers.values()
-                if w.healthy and (model is None or not w.config.models or model in w.config.models)
+                if w.healthy and (model is None or not w.models or model in w.models)
             ]
         return [
             w
