@@ -212,6 +212,8 @@ class Profile(Policy):
         scorers = self.scorers
         if self._plain:
             costs = scorers[0].costs(cycle)
+        elif not scorers:  # the picker alone decides (round robin, random)
+            costs = [0.0] * len(eligible)
         else:
             total = [0.0] * len(eligible)
             for s, w in zip(scorers, self.weights, strict=True):
@@ -231,8 +233,9 @@ class Profile(Policy):
         # (no cost table and nothing shown: nothing held, without the call)
         held = cycle.cost is not None or cycle.shown_matches
         win_blocks = _held_blocks(cycle, win) if held else 0
+        notes: list[str]
         if self.picker.reason is not None:  # the picker alone decides (round robin, ...)
-            reason, notes = self.picker.reason, list[str]()
+            reason, notes = self.picker.reason, []
         else:
             reason, notes = self._reason(cycle, win, win_blocks)
         # The rows are built when first read (/debug/decisions, the Score RPC), from this
