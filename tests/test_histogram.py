@@ -3,12 +3,14 @@ Counter expose."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from scorer.histogram import LoopCounter, LoopHistogram
+from scorer.histogram import FOLD_AT, LoopCounter, LoopHistogram
 
 BUCKETS = (5e-6, 1e-5, 2.5e-5, 1e-4, 0.5)
 
@@ -98,3 +100,35 @@ def test_counter_inc_refuses_negative_and_bad_labels() -> None:
         c.labels("x", "y")
     with pytest.raises(ValueError, match="Duplicated"):
         LoopCounter("e_total", "again", ["a"], registry=reg)
+
+
+@settings(derandomize=True, max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.sampled_from(BUCKETS),
+            st.floats(-1, 3, allow_nan=False),
+            st.just(float("nan")),
+            st.just(float("inf")),
+        ),
+        max_size=3 * FOLD_AT,
+    )
+)
+@example([1e-5, 1e-5, 0.0, 0.5, 0.6])  # on a bound (its own bucket), above the last
+@example([float("nan"), 1e-6, 1.0])  # NaN: bucket 0 (bisect_left), the sum NaN
+@example([0.1] * (FOLD_AT + 3))  # folded once while observing, the rest at collect
+def test_fold_bins_as_one_bisect_and_one_addition_per_value(values: list[float]) -> None:
+    # The reference: what observe did per value before values were folded in bulk.
+    counts = [0] * (len(BUCKETS) + 1)
+    total = 0.0
+    for v in values:
+        counts[bisect_left(BUCKETS, v)] += 1
+        total += v
+    child = LoopHistogram("f", "h", buckets=BUCKETS, registry=None).labels()
+    for v in values:
+        child.observe(v)
+    assert len(child.pending) < FOLD_AT  # bounded between scrapes
+    child.fold()
+    assert child.pending == []
+    assert child.counts == counts
+    assert repr(child.sum) == repr(total)  # the same float (added in arrival order)

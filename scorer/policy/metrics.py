@@ -9,9 +9,7 @@ counter a `LoopCounter` (~100 instructions an increment instead of ~4,600).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-
-from scorer.histogram import CounterChild, HistogramChild, LoopCounter, LoopHistogram
+from scorer.histogram import FOLD_AT, CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from scorer.routing import Decision
 
 DECISIONS = LoopCounter(
@@ -50,6 +48,7 @@ STAGE_SECONDS = LoopHistogram(
 # explain + bookkeeping, as the router times it) stays in the decision log only.
 STAGES = ("parse", "tokenize", "hash", "match", "score", "explain", "total")
 _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
+
 # Per (policy, reason): its counter child and the policy's ratio child (created on first
 # use, as labels() would: a label set appears once it is observed).
 _by_key: dict[tuple[str, str], tuple[CounterChild, list[HistogramChild | None]]] = {}
@@ -77,8 +76,10 @@ def observe_decision(d: Decision) -> None:
         child = children.get(stage)
         if child is not None:
             # HistogramChild.observe, inlined (a method call per stage was most of this).
-            child.counts[bisect_left(child._bounds, seconds)] += 1
-            child.sum += seconds
+            pending = child.pending
+            pending.append(seconds)
+            if len(pending) >= FOLD_AT:
+                child.fold()
     if d.endpoints and d.request_tokens > 0:
         slot = got[1]
         ratio = slot[0]
