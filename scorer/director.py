@@ -426,7 +426,9 @@ class Director:
             bs = request.block_size or self._block_size
             tokens = request.prompt_tokens
             total = tokens / bs
-            prefill = max(total - d.matched_tokens / bs, 0.0)
+            prefill = total - d.matched_tokens / bs
+            if prefill < 0.0:  # (max(prefill, 0.0) without the builtin's argument parse)
+                prefill = 0.0
             self.inflight.routed(rid, ep, tokens, prefill, total)
             body = request.body
             # (positional: decision, started, request_bytes, routed_at, uncached_tokens,
@@ -711,21 +713,23 @@ class Director:
         if reset and live.status is None:
             live.decision.notes.append("reset_before_response")
         if self.completion_hooks:
+            status = live.status
+            # (positional, in Completion's field order: keywords cost a dict per call)
             self._complete(
                 Completion(
-                    request_id=request_id,
-                    model=live.decision.model,
-                    endpoint=endpoint,
-                    routed=True,
-                    status=live.status,
-                    from_model_server=live.status is not None,
-                    duration_s=time.perf_counter() - live.started,
-                    request_bytes=live.request_bytes,
-                    reset=reset,
-                    response_bytes=body_bytes,
-                    input_tokens=usage.prompt_tokens if usage else None,
-                    output_tokens=usage.completion_tokens if usage else None,
-                    cached_tokens=usage.cached_tokens if usage else None,
+                    request_id,
+                    live.decision.model,
+                    endpoint,
+                    True,
+                    status,
+                    status is not None,
+                    time.perf_counter() - live.started,
+                    live.request_bytes,
+                    reset,
+                    body_bytes,
+                    usage.prompt_tokens if usage else None,
+                    usage.completion_tokens if usage else None,
+                    usage.cached_tokens if usage else None,
                 )
             )
 

@@ -105,15 +105,27 @@ def spec_from_config(name: str, raw: dict[str, Any]) -> ProfileSpec:
     return spec
 
 
+# The reasons a decision names, read once: each `Reason.X` goes through EnumType's
+# __getattr__ hook (~1,000 instructions a read).
+_NO_BODY = Reason.NO_BODY
+_TOKENIZE_ERROR = Reason.TOKENIZE_ERROR
+_NO_TOKENIZER = Reason.NO_TOKENIZER
+_BUSY_ALL = Reason.BUSY_ALL
+_STALE_EVENTS = Reason.STALE_EVENTS
+_STALE_NOTE = str(Reason.STALE_EVENTS)
+_KV_HIT = Reason.KV_HIT
+_LOAD = Reason.LOAD
+
+
 def no_token_reason(request: RoutingRequest) -> Reason | None:
     """Why a request has no block keys (routed by load), or None when it has them."""
     if request.block_keys is not None:
         return None
     if request.body is None:
-        return Reason.NO_BODY
+        return _NO_BODY
     if request.tokenize_error is not None:
-        return Reason.TOKENIZE_ERROR
-    return Reason.NO_TOKENIZER
+        return _TOKENIZE_ERROR
+    return _NO_TOKENIZER
 
 
 class Profile(Policy):
@@ -169,7 +181,7 @@ class Profile(Policy):
             req_blocks = float(len(keys or ()))
         wrb = self.waiting_request_blocks
         if wrb is None:
-            wrb = max(req_blocks, 1.0)
+            wrb = 1.0 if req_blocks < 1.0 else req_blocks  # max(req_blocks, 1.0)
         n = len(candidates)
         cycle = Cycle(
             request,
@@ -272,9 +284,8 @@ class Profile(Policy):
             return self.picker.reason, notes
         fallback = no_token_reason(cycle.request) if self.needs_tokens else None
         stale_any = cycle.stale_any
-        stale = str(Reason.STALE_EVENTS)
         if cycle.all_filtered:
-            reason = Reason.BUSY_ALL
+            reason = _BUSY_ALL
             if fallback is not None:
                 notes.append(str(fallback))
         elif fallback is not None:
@@ -285,13 +296,13 @@ class Profile(Policy):
                 _stale_row(cycle, i) and _held_blocks(cycle, i) > win_blocks for i in cycle.eligible
             )
         ):
-            reason = Reason.STALE_EVENTS
+            reason = _STALE_EVENTS
         elif win_blocks > 0:
-            reason = Reason.KV_HIT
+            reason = _KV_HIT
         else:
-            reason = Reason.LOAD
-        if stale_any and reason is not Reason.STALE_EVENTS:
-            notes.append(stale)
+            reason = _LOAD
+        if stale_any and reason is not _STALE_EVENTS:
+            notes.append(_STALE_NOTE)
         filtered = cycle.filtered
         if not cycle.all_filtered and any(filtered):
             # A filtered worker held more of the prompt than the winner: say it spilled

@@ -248,6 +248,8 @@ class Tokenization:
         self._threads = tc.threads
         self.max_prompt_tokens = tc.max_prompt_tokens
         self.max_tokenize_bytes = tc.max_tokenize_bytes
+        # (bound once: a config model's attribute reads go through pydantic's __getattr__)
+        self._adapter_of = tc.adapter_of
 
     # -- lifecycle (app component) -------------------------------------------------------
     async def start(self) -> None:
@@ -347,7 +349,7 @@ class Tokenization:
             raise NoTokenizer(f"no tokenizer for model {model!r}")
         base = self.base_model(model)
         if lora is None:
-            lora = self.config.tokens.adapter_of(model)
+            lora = self._adapter_of(model)
         if cache_salt is None:
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
@@ -397,17 +399,9 @@ class Tokenization:
             n = cut.packed_bytes // (4 * hasher.block_size)
             state = PrefixState(cut.text, buf[: cut.packed_bytes], tuple(keys[:n]))
             self.prefixes.store(cut.space, state, cut.replaces)
+        # (positional, in field order: keywords cost a dict per call)
         return TokenizedPrompt(
-            hash_seconds=hash_seconds,
-            packed=buf,
-            block_keys=keys,
-            namespace=ns,
-            block_size=self.hasher.block_size,
-            model=base,
-            lora=lora,
-            cache_salt=cache_salt,
-            kind=kind,
-            stats=stats,
+            buf, keys, ns, hasher.block_size, base, lora, cache_salt, kind, stats, hash_seconds
         )
 
     def render(self, model: str | None, body: Mapping[str, Any]) -> str:

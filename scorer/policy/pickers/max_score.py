@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from scorer.policy.cost import pick
 from scorer.policy.plugin import Cycle, Picker, PluginOptions, plugin
+
+if TYPE_CHECKING:
+    from scorer.policy.base import PolicyContext
 
 
 class MaxScoreOptions(PluginOptions):
@@ -27,10 +31,18 @@ class MaxScore(Picker):
     Options = MaxScoreOptions
     options: MaxScoreOptions
 
+    def __init__(
+        self, ctx: PolicyContext, options: MaxScoreOptions, clock: Callable[[], float]
+    ) -> None:
+        super().__init__(ctx, options, clock)
+        # Read once (an options model's attribute goes through pydantic's __getattr__).
+        self._tiebreak = options.tiebreak
+        self._temperature = options.temperature
+
     def pick(self, cycle: Cycle, costs: list[float]) -> int:
         elig = cycle.eligible
         cands = cycle.candidates
-        tb = self.options.tiebreak
+        tb = self._tiebreak
         if tb == "load":
             load = cycle.load
             pfs, dcs = load.prefill, load.decode
@@ -50,4 +62,4 @@ class MaxScore(Picker):
             def key(k: int) -> tuple[float, ...]:
                 return ()
 
-        return pick(costs, key, self.options.temperature, self.ctx.rng)
+        return pick(costs, key, self._temperature, self.ctx.rng)
