@@ -306,7 +306,10 @@ class Director:
             return self._refuse(
                 request, Reason.NO_WORKERS, f"the model {model!r} is not served here"
             )
-        return await self.decide(request, dry_run)
+        if self.policy.needs_tokens and self.preparer is not None:
+            return await self.decide(request, dry_run)
+        # Nothing to tokenize: decide's path without its coroutine.
+        return self.decide_prepared(request, dry_run)
 
     async def decide(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
         """Decide where a parsed request goes (tokenizing first when the policy needs it)."""
@@ -500,7 +503,7 @@ class Director:
         count comparison, and a heap peek when nothing is due."""
         now = self.clock()
         n = 0
-        for ep in list(self._prefilling):
+        for ep in list(self._prefilling) if self._prefilling else ():
             w = self.pool.get(ep)
             page = w.scraped.pages if w is not None else 0
             if w is None or page == 0:
