@@ -378,8 +378,9 @@ class Director:
                 rng.setstate(state)
         else:
             d = policy.decide(request, candidates)
-        d.stages.setdefault("policy", time.perf_counter() - t_dec)
-        return self._decided(request, d, t0)
+        now = time.perf_counter()
+        d.stages.setdefault("policy", now - t_dec)
+        return self._decided(request, d, t0, now)
 
     def route_bodyless(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
         """Requests without a body (GET /v1/models) go to the least-loaded eligible worker."""
@@ -407,8 +408,13 @@ class Director:
         d.param = param
         return self._decided(request, d, time.perf_counter())
 
-    def _decided(self, request: RoutingRequest, d: Decision, t0: float) -> Decision:
-        """Bookkeeping of every decision, exactly once: log, metrics, in flight."""
+    def _decided(
+        self, request: RoutingRequest, d: Decision, t0: float, now: float | None = None
+    ) -> Decision:
+        """Bookkeeping of every decision, exactly once: log, metrics, in flight. `now`:
+        perf_counter at the decision's end, when the caller just read it."""
+        if now is None:
+            now = time.perf_counter()
         stages = d.stages
         rstages = request.stages
         for stage, seconds in rstages.items():
@@ -417,7 +423,7 @@ class Director:
         d.model = request.model
         d.request_tokens = d.request_tokens or request.prompt_tokens
         # total = parse → endpoint: the parse stage plus everything since t0.
-        stages["total"] = time.perf_counter() - t0 + rstages.get("parse", 0.0)
+        stages["total"] = now - t0 + rstages.get("parse", 0.0)
         self.decisions.add(d)
         observe_decision(d)
         if request.dry_run:
@@ -436,11 +442,13 @@ class Director:
             body = request.body
             # (positional: decision, started, request_bytes, routed_at, uncached_tokens,
             # stream, block_size)
+            clock = self.clock
             live = _Live(
                 d,
                 request.started,
                 size,
-                self.clock(),
+                # (the decision's end is the director clock's now, unless a test swapped it)
+                now if clock is time.perf_counter else clock(),
                 prefill * bs,
                 body is not None and body.get("stream") is True,
                 bs,
@@ -452,7 +460,11 @@ class Director:
                 live.estimated = True
                 w = self.pool.workers.get(ep)
                 live.routed_page = w.scraped.pages if w is not None else 0
-                self._track(rid, live, ep)
+                live.tracked = ep  # (_track, inlined)
+                tracked = self._prefilling.get(ep)
+                if tracked is None:
+                    tracked = self._prefilling[ep] = {}
+                tracked[rid] = live
                 if self._fit_scrapes and not self.prefill.exact:
                     live.fitting = ep
                     flights = self._unfitted.get(ep)
@@ -698,8 +710,11 @@ class Director:
         live = self._live.pop(request_id, None)
         if live is None:
             return
-        if live.tracked is not None:
-            self._untrack(request_id, live)
+        ep = live.tracked
+        if ep is not None:  # (_untrack, inlined)
+            live.tracked = None
+            if _drop_flight(self._prefilling, ep, request_id):
+                self._pages.pop(ep, None)
         if live.fitting is not None:
             self._unfit(request_id, live)
         # (finished returns where it was in flight: a fallback Envoy served counts there)

@@ -206,7 +206,7 @@ class Profile(Policy):
             f.filter(cycle)
         filtered = cycle.filtered
         # (A filtered candidate's entry is its reason, a non-empty string.)
-        eligible = [i for i in range(n) if filtered[i] is None] if any(filtered) else [*range(n)]
+        eligible = _kept(filtered) if any(filtered) else [*range(n)]
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
@@ -240,8 +240,9 @@ class Profile(Policy):
         eps = cycle.endpoints
         endpoints = [eps[win]]
         if self.fallback_count:
-            rest = [k for k in self.picker.order(cycle, costs) if k != j]
-            endpoints += [eps[eligible[k]] for k in rest[: self.fallback_count]]
+            endpoints += _fallbacks(
+                self.picker.order(cycle, costs), j, eps, eligible, self.fallback_count
+            )
         # (no cost table and nothing shown: nothing held, without the call)
         held = cycle.cost is not None or cycle.shown_matches
         win_blocks = _held_blocks(cycle, win) if held else 0
@@ -252,7 +253,9 @@ class Profile(Policy):
             reason, notes = self._reason(cycle, win, win_blocks)
         # The rows are built when first read (/debug/decisions, the Score RPC), from this
         # decision's numbers: in-flight counts as they are now, before the commit.
-        rows = explanation_rows(cycle, costs if scorers else None, _requests(candidates))
+        rows = explanation_rows(
+            cycle, costs if scorers else None, [w.inflight.requests for w in candidates]
+        )
         if not request.dry_run:
             for plug in self._committers:
                 plug.commit(cycle, win)
@@ -314,6 +317,19 @@ class Profile(Policy):
             if top > win_blocks:
                 notes.append(f"spilled:{why}")
         return reason, notes
+
+
+# (Comprehensions over a function's locals make them closure cells for the whole
+# function: these run in their own.)
+def _kept(filtered: list[str | None]) -> list[int]:
+    """Positions of the candidates no filter dropped."""
+    return [i for i in range(len(filtered)) if filtered[i] is None]
+
+
+def _fallbacks(order: list[int], j: int, eps: list[str], eligible: list[int], k: int) -> list[str]:
+    """The `k` best endpoints after the winner (position `j`), in the picker's order."""
+    rest = [i for i in order if i != j]
+    return [eps[eligible[i]] for i in rest[:k]]
 
 
 def _requests(candidates: Sequence[Worker]) -> list[int]:

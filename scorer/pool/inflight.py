@@ -65,7 +65,9 @@ class InflightTracker:
         """A request was sent to `endpoint`; its prompt work counts until its first byte."""
         if request_id in self._flights:
             self.finished(request_id)
-        wl = self._counters(endpoint)
+        wl = self.loads.get(endpoint)  # (_counters, inlined: once per request)
+        if wl is None:
+            wl = self.loads[endpoint] = WorkerLoad()
         wl.requests += 1
         wl.routed_total += 1
         wl.prefill_tokens += prompt_tokens
@@ -112,7 +114,9 @@ class InflightTracker:
         f = self._flights.pop(request_id, None)
         if f is None:
             return None
-        wl = self._counters(f.endpoint)
+        wl = self.loads.get(f.endpoint)  # (_counters, inlined: once per request)
+        if wl is None:
+            wl = self.loads[f.endpoint] = WorkerLoad()
         wl.requests -= 1
         if f.in_prefill:
             wl.prefill_tokens -= f.prompt_tokens

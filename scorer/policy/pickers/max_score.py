@@ -36,30 +36,32 @@ class MaxScore(Picker):
     ) -> None:
         super().__init__(ctx, options, clock)
         # Read once (an options model's attribute goes through pydantic's __getattr__).
-        self._tiebreak = options.tiebreak
         self._temperature = options.temperature
+        # The tie-break key, a bound method made once (a closure per decision cost a
+        # function and a cell per captured name); it reads the cycle being picked for.
+        keys = {"load": self._load_key, "queue": self._queue_key, "none": self._no_key}
+        self._key: Callable[[int], tuple[float, ...]] = keys[options.tiebreak]
+        self._cycle: Cycle | None = None
 
     def pick(self, cycle: Cycle, costs: list[float]) -> int:
-        elig = cycle.eligible
-        cands = cycle.candidates
-        tb = self._tiebreak
-        if tb == "load":
-            load = cycle.load
-            pfs, dcs = load.prefill, load.decode
+        self._cycle = cycle
+        try:
+            return pick(costs, self._key, self._temperature, self.ctx.rng)
+        finally:
+            self._cycle = None  # (a decision's cycle is not kept past it)
 
-            def key(k: int) -> tuple[float, ...]:
-                i = elig[k]
-                return (pfs[i] + dcs[i], cands[i].inflight.requests)
+    def _load_key(self, k: int) -> tuple[float, ...]:
+        c = self._cycle
+        assert c is not None
+        i = c.eligible[k]
+        load = c.load
+        return (load.prefill[i] + load.decode[i], c.candidates[i].inflight.requests)
 
-        elif tb == "queue":
+    def _queue_key(self, k: int) -> tuple[float, ...]:
+        c = self._cycle
+        assert c is not None
+        w = c.candidates[c.eligible[k]]
+        return (w.inflight.prefill_tokens, w.scraped.waiting)
 
-            def key(k: int) -> tuple[float, ...]:
-                w = cands[elig[k]]
-                return (w.inflight.prefill_tokens, w.scraped.waiting)
-
-        else:
-
-            def key(k: int) -> tuple[float, ...]:
-                return ()
-
-        return pick(costs, key, self._temperature, self.ctx.rng)
+    def _no_key(self, k: int) -> tuple[float, ...]:
+        return ()
