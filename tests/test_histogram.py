@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from scorer.histogram import FOLD_AT, LoopCounter, LoopHistogram
+from scorer.native import NATIVE
+from scorer.policy.metrics import append_stages
 
 BUCKETS = (5e-6, 1e-5, 2.5e-5, 1e-4, 0.5)
 
@@ -132,3 +134,31 @@ def test_fold_bins_as_one_bisect_and_one_addition_per_value(values: list[float])
     assert child.pending == []
     assert child.counts == counts
     assert repr(child.sum) == repr(total)  # the same float (added in arrival order)
+
+
+_STAGE_NAMES = ["parse", "tokenize", "hash", "match", "score", "explain", "total", "policy", "x"]
+
+
+@settings(derandomize=True, max_examples=80, deadline=None)
+@given(
+    stages=st.dictionaries(
+        st.sampled_from(_STAGE_NAMES), st.floats(allow_nan=True, allow_infinity=True)
+    ),
+    held=st.dictionaries(st.sampled_from(_STAGE_NAMES), st.integers(0, 6)),
+    fold_at=st.integers(1, 8),
+)
+@example(stages={"parse": 1e-5, "policy": 2e-5}, held={"parse": 3}, fold_at=4)  # reaches it
+@example(stages={"total": 1.0}, held={}, fold_at=1)  # no list for the stage: nothing
+def test_append_stages_compiled_is_the_reference(
+    stages: dict[str, float], held: dict[str, int], fold_at: int
+) -> None:
+    assert NATIVE is not None  # (tests/index/test_native.py says why when not)
+
+    def pending() -> dict[str, list[float]]:
+        return {s: [float(i) for i in range(n)] for s, n in held.items()}
+
+    ref, ours = pending(), pending()
+    full = append_stages(stages, ref, fold_at)
+    assert NATIVE.append_stages(stages, ours, fold_at) is full
+    assert repr(ours) == repr(ref)  # (repr: NaN compares unequal to itself)
+    assert full == any(len(ref[s]) >= fold_at for s in stages if s in ref)
