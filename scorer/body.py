@@ -109,7 +109,8 @@ def decode(body: bytes, native: bool = True) -> Any:
         # (find, not `in`: bytes.__contains__ tries the key as an int first and formats
         # a TypeError, ~2,300 instructions)
         at = body.find(_KEY)
-        if at >= 0:
+        # (a string value: a text prompt, the common decline, decided without the call)
+        if at >= 0 and not body.startswith(_STRING_VALUE, at + len(_KEY)):
             doc = _packed(body, at)
             if doc is not None:
                 return doc
@@ -119,9 +120,9 @@ def decode(body: bytes, native: bool = True) -> Any:
 def _packed(body: bytes, at: int) -> dict[str, Any] | None:
     """The body decoded with its prompt packed, or None (decode it the reference way).
 
-    `at`: where `"prompt"` first occurs. The first `"prompt"` followed by `: [ids]` has
-    its array parsed by the compiled code and replaced by a marker integer found nowhere
-    else in the body; msgspec decodes the rest.
+    `at`: where `"prompt"` first occurs (not with a string value). The first `"prompt"`
+    followed by `: [ids]` has its array parsed by the compiled code and replaced by a
+    marker integer found nowhere else in the body; msgspec decodes the rest.
     The top-level `prompt` decoding to the marker proves the array was that key's value
     (the last `prompt` key, as msgspec keeps the last of duplicates) and not text inside a
     string or a nested object's key; the rest decoded, the whole body is valid JSON.
@@ -129,17 +130,15 @@ def _packed(body: bytes, at: int) -> dict[str, Any] | None:
     assert _NATIVE_JSON_IDS is not None
     got = None
     for _ in range(_MAX_TRIES):  # a "prompt" inside an earlier string or object: the next
-        if at < 0:
-            return None
-        if body.startswith(_STRING_VALUE, at + len(_KEY)):
-            # A text prompt, the common case the compiled parser would decline: the rest
-            # of the body is not searched (a token-id `prompt` after a string-valued one
-            # is decoded the reference way).
-            return None
         got = _NATIVE_JSON_IDS(body, at + len(_KEY))
         if got is not None:
             break
         at = body.find(_KEY, at + 1)
+        if at < 0 or body.startswith(_STRING_VALUE, at + len(_KEY)):
+            # None left, or a string value (a text prompt, the common case the compiled
+            # parser would decline): the rest of the body is not searched (a token-id
+            # `prompt` after a string-valued one is decoded the reference way).
+            return None
     if got is None:
         return None
     packed, start, end = got
