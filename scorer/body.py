@@ -36,7 +36,9 @@ _NATIVE_JSON_IDS = getattr(NATIVE, "json_ids_u32", None)
 # Below this many body bytes the one-pass decode is as cheap. In instructions (callgrind;
 # this machine's timings swing too much to compare) the packed path costs ~14,000 fixed
 # and ~14 a byte, msgspec ~370 an id: 64 ids (439 B) 20,700 against 25,900, 288 ids
-# (1.7 KB) 42,000 against 104,000; 32 ids (247 B) 17,700 against 14,700.
+# (1.7 KB) 42,000 against 104,000; 32 ids (247 B) 17,700 against 14,700. In time (shared
+# machine): 64 ids, ~0.6 KB, 5.0-5.8 µs both ways; 288 ids, 2.2 KB, 10.3 µs decoded and
+# packed against 4.6 packed (bench/bench_tokens.py --parse measures larger prompts).
 PACK_MIN_BYTES = 512
 
 

@@ -32,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -379,7 +380,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 director.response_chunk,
                 rid,
             )
-            on_message(self._answerer(rid, context, duplex, bodies), lane)
+            # The answerer is built on the first response message: the lean shape sends
+            # none, so most streams never need it.
+            on_message(_Lazy(self._answerer, rid, context, duplex, bodies), lane)
         try:
             while True:
                 m = await context.read()
@@ -531,6 +534,24 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         else:
             return
         await context.write(resp)
+
+
+class _Lazy:
+    """A stream's response answerer, built (`make(*args)`) on its first response message:
+    the lean shape sends none, so most streams never need one."""
+
+    __slots__ = ("answer", "args", "make")
+
+    def __init__(self, make: Callable[..., Callable[[bytes], bool]], *args: Any) -> None:
+        self.make = make
+        self.args = args
+        self.answer: Callable[[bytes], bool] | None = None
+
+    def __call__(self, raw: bytes) -> bool:
+        answer = self.answer
+        if answer is None:
+            answer = self.answer = self.make(*self.args)
+        return answer(raw)
 
 
 def _serialize(message: ep.ProcessingResponse | bytes) -> bytes:

@@ -109,3 +109,31 @@ def test_cli_shows_the_event_path_from_results_json(tmp_path: Path, capsys) -> N
     got = json.loads(out.read_text())["round_robin"]["event_path"]
     assert got[0]["unconfirmed"] == 3 and got[0]["expired"] == 3
     assert "unconfirmed 3 (expired 3)" in capsys.readouterr().out
+
+
+def test_a_peers_rows_replayed_give_that_routings_timing(tmp_path: Path) -> None:
+    """A peer's e2e placement replayed on the replay's engines: the same placement as a
+    replay of kv gives kv's TTFT, queue and prefill exactly (placement-only timing)."""
+    wl = load_workload("mooncake-conversation").slice(120, 1.0)
+    keys = RequestKeys(wl, 512)
+    s = ReplaySettings(capacity_blocks=1000, seed=0)
+    rows = replay_rows(wl, keys, "kv", s)
+    lines = [
+        json.dumps(dict(r, key=hash(tuple(br.token_ids())), sent=r["arrival"]))
+        for br, r in zip(wl.requests, rows, strict=True)
+    ]
+    (tmp_path / "vllm_router_kv_aware.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "c.json"
+    main(["--rows", str(tmp_path), "--policies", "kv", "--peers", "vllm_router_kv_aware",
+          "--max-requests", "120", "--json", str(out)])  # fmt: skip
+    got = json.loads(out.read_text())
+    mine, peer = got["kv"]["replay_timing"], got["vllm_router_kv_aware"]["follow_timing"]
+    assert mine == peer
+    assert peer["ttft_p50_ms"] > peer["prefill_p50_ms"] > 0 and peer["ttft_p99_ms"] > 0
+    # Another placement (everything on one worker) queues: the timing follows the rows.
+    pile = [json.dumps(dict(json.loads(x), worker=0)) for x in lines]
+    (tmp_path / "vllm_router_kv_aware.jsonl").write_text("\n".join(pile) + "\n")
+    main(["--rows", str(tmp_path), "--policies", "kv", "--peers", "vllm_router_kv_aware",
+          "--max-requests", "120", "--json", str(out)])  # fmt: skip
+    piled = json.loads(out.read_text())["vllm_router_kv_aware"]["follow_timing"]
+    assert piled["queue_mean_ms"] > 10 * max(mine["queue_mean_ms"], 1.0)

@@ -95,3 +95,67 @@ def test_cli_rejects_bad_flags(tmp_path: Path) -> None:
     assert main([*base, "--set", "kv"]) == 2
     assert main([*base, "--param", "colour=red"]) == 2
     assert not (tmp_path / "results.json").exists()
+
+
+def _prefill_views(settings: ReplaySettings, counters: bool = True) -> list[tuple[int, int]]:
+    """At each decision: (requests the router counts before their first byte, requests
+    really routed and without their first token). `counters`: False drops the pages'
+    first-token counts (`before_first`), as an engine without them."""
+    from kvscorer_tools.bench.replay import _Replay
+
+    wl = mooncake_conversation().slice(max_requests=60)
+    sim = _Replay(wl, RequestKeys(wl, 512), "kv", settings)
+    if not counters:
+        scrape = sim.scrape
+
+        def no_counts() -> None:
+            scrape()
+            for w in sim.pool:
+                w.scraped.before_first = None
+
+        sim.scrape = no_counts  # type: ignore[method-assign]
+    seen: list[tuple[int, int]] = []
+    decide = sim.director.decide_prepared
+
+    def spy(req: object, *a: object, **k: object) -> object:
+        counted = sum(w.inflight.prefill_requests for w in sim.pool)
+        real = sum(1 for r in sim.reqs if r.worker is not None and r.first < 0 and r.done < 0)
+        seen.append((counted, real))
+        return decide(req, *a, **k)  # type: ignore[arg-type]
+
+    sim.director.decide_prepared = spy  # type: ignore[method-assign]
+    sim.run()
+    return seen
+
+
+def test_router_view_of_an_e2e_run_lags_the_engines() -> None:
+    """By default the router ends a request's prefill at its first token (exact); with
+    the e2e run's view (its clock 5x slower, no response seen) it counts requests
+    prefilling after their first token until the scrape's counters or its estimate end
+    them, and its scrapes come five times less often in model time."""
+    s = ReplaySettings(workers=8, capacity_blocks=1000, block_size=512, seed=0)
+    exact = _prefill_views(s)
+    assert all(c == r for c, r in exact)
+    s.router_time_scale, s.lean_view = 5.0, True
+    lean = _prefill_views(s)
+    assert all(c >= r for c, r in lean)
+    phantoms = sum(c - r for c, r in lean)
+    assert phantoms >= 5
+    # The pages' first-token counters end them: without, far more linger.
+    blind = _prefill_views(s, counters=False)
+    assert sum(c - r for c, r in blind) > 2 * phantoms
+
+
+def test_router_time_scale_stretches_the_routers_clock_and_scrapes() -> None:
+    from kvscorer_tools.bench.replay import CLOCK_BASE, _Replay
+
+    wl = mooncake_conversation().slice(max_requests=40)
+    keys = RequestKeys(wl, 512)
+    pages = []
+    for scale in (1.0, 5.0):
+        s = ReplaySettings(capacity_blocks=1000, seed=0, router_time_scale=scale)
+        sim = _Replay(wl, keys, "kv", s)
+        sim.run()
+        assert sim.clock() == pytest.approx(CLOCK_BASE + sim.now / scale)
+        pages.append(next(iter(sim.pool)).scraped.pages)
+    assert pages[1] == pytest.approx(pages[0] / 5, abs=2)

@@ -89,7 +89,8 @@ def register(subparsers: Any) -> None:
         default=None,
         help=f"comma list (replay: {REPLAY_DEFAULT}; e2e: {E2E_DEFAULT}); peers (e2e only): "
         "sglang_cache_aware, sglang_round_robin, vllm_router_cache_aware, "
-        "vllm_router_kv_aware, vllm_router_round_robin",
+        "vllm_router_kv_aware, vllm_router_round_robin; models of the peers (replay only): "
+        "model:vllm_kv_aware, model:cache_aware",
     )
     p.add_argument(
         "--repeats",
@@ -364,9 +365,15 @@ def run(args: argparse.Namespace) -> int:
         if args.mode == "replay" and args.repeats != 1:
             raise ValueError("--repeats: the replay is deterministic (same seed, same numbers)")
         from kvscorer_tools.bench.e2e.settings import PEER_POLICIES
+        from kvscorer_tools.bench.peer_models import MODELS
         from scorer.policy import policy_names
 
-        known_policies = policy_names()
+        known_policies = [*policy_names(), *MODELS]
+        if args.mode == "e2e" and (models := [p for p in policies if p in MODELS]):
+            raise ValueError(
+                f"{', '.join(models)}: models of the peers run in --mode replay only "
+                "(end to end, run the peers themselves)"
+            )
 
         unknown = [p for p in policies if p not in known_policies and p not in PEER_POLICIES]
         if unknown:

@@ -12,6 +12,8 @@ went to the parent's worker, and how many of the shared tokens were found cached
 
 It also replays the e2e run's own routing (each request sent to the worker the e2e run
 chose) to check the replay's engine and cache model against the e2e sims per request,
+prints what that routing's TTFT, queue and prefill are on the replay's engines (also for
+the peers' rows: a placement-only comparison, without the machine or the proxy path),
 and asks the policy, as a dry run at each request, where it would have sent it with that
 fleet state and a timely index. With the run's results.json beside it, it also shows
 each run's KV-event path in the scorer (`event_path`: speculative blocks never confirmed,
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvscorer_tools.bench.replay import MODEL, ReplaySettings, RequestKeys, _Replay
+from kvscorer_tools.bench.replay import MODEL, ReplaySettings, RequestKeys, _Replay, percentile
 from kvscorer_tools.bench.workloads import Workload, load_workload
 from kvscorer_tools.sim.scheduler import Admission
 from scorer.routing import RoutingRequest
@@ -204,6 +206,30 @@ def continuations(
     return out
 
 
+def timing(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """TTFT p50 / p99, queue p50 / mean and prefill p50 (model ms) of replay rows: what a
+    routing costs on the replay's engines, without the machine or the proxy path."""
+    done = [r for r in rows if r["first"] >= 0 and r["admitted"] >= 0]
+    ttft = [(r["first"] - r["arrival"]) * 1000.0 for r in done]
+    queue = [(r["admitted"] - r["arrival"]) * 1000.0 for r in done]
+    prefill = [(r["first"] - r["admitted"]) * 1000.0 for r in done]
+    return {
+        "ttft_p50_ms": round(percentile(ttft, 50), 1),
+        "ttft_p99_ms": round(percentile(ttft, 99), 1),
+        "queue_p50_ms": round(percentile(queue, 50), 1),
+        "queue_mean_ms": round(sum(queue) / len(queue), 1) if queue else 0.0,
+        "prefill_p50_ms": round(percentile(prefill, 50), 1),
+    }
+
+
+def _timing_line(name: str, t: dict[str, float]) -> str:
+    return (
+        f"{name:30s} replayed: TTFT p50 {t['ttft_p50_ms']:.1f} p99 {t['ttft_p99_ms']:.0f}"
+        f"  queue p50 {t['queue_p50_ms']:.1f} mean {t['queue_mean_ms']:.1f}"
+        f"  prefill p50 {t['prefill_p50_ms']:.1f} (model ms)"
+    )
+
+
 def _line(name: str, c: dict[str, Any]) -> str:
     k = 1000
     return (
@@ -278,10 +304,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     par = parents(wl)
     report: dict[str, Any] = {}
     for pol in [p for p in args.policies.split(",") if p]:
-        out: dict[str, Any] = {
-            "replay": continuations(wl, replay_rows(wl, keys, pol, settings), par)
-        }
+        own = replay_rows(wl, keys, pol, settings)
+        out: dict[str, Any] = {"replay": continuations(wl, own, par), "replay_timing": timing(own)}
         print(_line(f"{pol} replay", out["replay"]))
+        print(_timing_line(f"{pol} replay", out["replay_timing"]))
         path = args.rows / f"{pol}.jsonl"
         if path.exists():
             e2e = e2e_rows(path, wl)
@@ -294,7 +320,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
             out["follow_agrees"] = sum(w == b["worker"] for _, b, w in joined)
             out["joined"] = len(joined)
+            out["follow_timing"] = timing(rows)
             print(_line(f"{pol} e2e", out["e2e"]))
+            print(_timing_line(f"{pol} e2e routing", out["follow_timing"]))
             print(
                 f"{'':30s} e2e routing replayed: hit {out['follow']['hit_rate']:.4f}, same cached"
                 f" tokens {out['follow_same_cached']}/{len(joined)}; {pol} would pick the e2e"
@@ -309,8 +337,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for peer in [p for p in args.peers.split(",") if p]:
         path = args.rows / f"{peer}.jsonl"
         if path.exists():
-            report[peer] = {"e2e": continuations(wl, e2e_rows(path, wl), par)}
+            e2e = e2e_rows(path, wl)
+            # The peer's placement on the replay's engines (round robin only carries the
+            # forced worker through the director): its TTFT without the machine or path.
+            rows, _ = follow_rows(wl, keys, "round_robin", settings, e2e)
+            report[peer] = {"e2e": continuations(wl, e2e, par), "follow_timing": timing(rows)}
             print(_line(f"{peer} e2e", report[peer]["e2e"]))
+            print(_timing_line(f"{peer} e2e routing", report[peer]["follow_timing"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 

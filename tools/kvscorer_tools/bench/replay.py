@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from kvscorer_tools.bench.peer_models import MODELS, build_model
 from kvscorer_tools.bench.workloads import Workload
 from kvscorer_tools.sim.cache import PrefixCache
 from kvscorer_tools.sim.scheduler import Admission, Progress, release, schedule_step
@@ -84,6 +85,16 @@ class ReplaySettings:
     seed: int = 0
     scrape_interval_s: float = 0.2  # like config load.scrape_interval_s
     event_delay_s: float = 0.0  # store/evict → index latency (simulated seconds)
+    # The router as an e2e run at `--time-scale X` has it (issue 13): its clock runs X
+    # times slower than the trace's (model) time, so its scrape interval, staleness,
+    # speculative TTLs and prefill estimates, wall seconds there, are X times longer in
+    # model time. 1: the router lives in model time (the replay's default).
+    router_time_scale: float = 1.0
+    # Envoy's lean shape (envoy.yaml): the router sees no response, so a request counts
+    # as prefilling until the scrape's first-token counters (`before_first`) or its
+    # estimate end it, as end to end. False: prefill ends at its first token (exact, as
+    # with response bodies).
+    lean_view: bool = False
     timing: TimingModel = field(default_factory=TimingModel)
     # Options per policy name (the `policies.NAME` config section), e.g. a bench config.
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -326,11 +337,17 @@ class _Replay:
             rng=random.Random(settings.seed),
             parts=Parts(index=self.index, hasher=keys.hasher),
         )
-        self.policy: Policy = build_policy(
-            policy_name, self.ctx, settings.policy_options.get(policy_name)
+        opts = settings.policy_options.get(policy_name)
+        self.policy: Policy = (
+            build_model(policy_name, self.ctx, opts)
+            if policy_name in MODELS
+            else build_policy(policy_name, self.ctx, opts)
         )
         set_clock(self.policy, self.clock)
         self.director = Director(self.config, self.pool, self.policy)
+        if settings.lean_view:
+            # Its estimates and page ages then run on the simulated (router) clock.
+            self.director.clock = self.clock
         self.workers = {e: _SimWorker(self, e, cap) for e in endpoints}
         self.reqs: list[_Req] = []
         self.errors = 0
@@ -343,8 +360,9 @@ class _Replay:
             w.scraped.num_gpu_blocks = settings.capacity_blocks
 
     def clock(self) -> float:
-        """The simulated clock as policies and the index read it (seconds)."""
-        return CLOCK_BASE + self.now
+        """The simulated clock as policies and the index read it (seconds; the router's
+        own seconds with `router_time_scale`)."""
+        return CLOCK_BASE + self.now / self.settings.router_time_scale
 
     def push(self, t: float, kind: int, obj: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
@@ -366,7 +384,8 @@ class _Replay:
     # --- router lifecycle -------------------------------------------------------------
 
     def tracker_first_byte(self, r: _Req) -> None:
-        self.director.response_started(r.rid, 200)
+        if not self.settings.lean_view:
+            self.director.response_started(r.rid, 200)
 
     def tracker_finished(self, r: _Req) -> None:
         self.director.response_ended(r.rid)
@@ -386,6 +405,9 @@ class _Replay:
             sc.running = float(len(sw.running))
             sc.waiting = float(len(sw.waiting))
             sc.kv_usage = sw.cache.usage if self.settings.capacity_blocks else 0.0
+            if self.settings.lean_view:
+                # vLLM's counters: requests held before their first token.
+                sc.before_first = float(len(sw.waiting) + sum(1 for q in sw.running if q.first < 0))
             sc.at = at
             sc.pages += 1  # as LoadScraper.apply: the director orders pages by it
 
@@ -402,6 +424,9 @@ class _Replay:
         if self.policy.needs_tokens:
             req.token_ids = token_ids()
             req.block_keys = r.keys
+        if self.settings.lean_view:
+            # A streamed request with a body: the director estimates its prefill end.
+            req.body = {"model": MODEL, "stream": True}
         d = self.director.decide_prepared(req)
         self.reasons[str(d.reason)] = self.reasons.get(str(d.reason), 0) + 1
         if self.decided is not None:
@@ -441,7 +466,8 @@ class _Replay:
                 self.scrape()
                 busy = any(w.step_end >= 0 or w.waiting for w in self.workers.values())
                 if pending or busy:
-                    self.push(t + self.settings.scrape_interval_s, _SCRAPE, None)
+                    every = self.settings.scrape_interval_s * self.settings.router_time_scale
+                    self.push(t + every, _SCRAPE, None)
             else:
                 ep, keys, store = obj
                 (index_store if store else index_remove)(self.index, ep, keys)
