@@ -1,6 +1,6 @@
 """Where the `kv` policy's time goes per request, with and without a tokenizer (no network).
 
-    .venv/bin/python bench/profile_kv.py [--iterations 3000] [--profile]
+    .venv/bin/python bench/profile_kv.py [--iterations 3000] [--profile] [--case kv:no:ids]
 
 A loop of requests through scorer.director.Director exactly as the data path drives it
 (new_request → request_received(body) → response_ended), 2 workers, the bodies of
@@ -12,6 +12,13 @@ warm-up the segment cache holds every text prompt: they are tokenized on the eve
 unless small). Prints µs per request (p50, mean) and
 the mean of each decision stage; `--profile` adds cProfile's top functions per case.
 Writes bench/out/profile_kv.json.
+
+Instructions per request (the machine's timing swings too much for A/Bs): one case, its
+loop bare (`--bare`: no per-request clock or stage bookkeeping in the harness), under
+callgrind at two iteration counts; (Ir(1200) - Ir(200)) / 1000 is one request:
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python \
+        bench/profile_kv.py --case kv:no:ids --bare --iterations 200   # and 1200
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -42,7 +50,12 @@ MODEL = "bench-model"
 
 
 async def run_case(
-    policy_name: str, tokenizer: Path | None, kind: str, iterations: int, profile: bool
+    policy_name: str,
+    tokenizer: Path | None,
+    kind: str,
+    iterations: int,
+    profile: bool,
+    bare: bool = False,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if tokenizer is not None:
@@ -68,6 +81,18 @@ async def run_case(
     reasons: dict[str, int] = {}
     prof = cProfile.Profile() if profile else None
     try:
+        if bare:
+            for it in range(iterations + 200):
+                if it == 200:
+                    # What the warm-up left is not this loop's: a full collection's walk
+                    # over it would land in one count and not the other.
+                    gc.collect()
+                    gc.freeze()
+                req = director.new_request(headers)
+                await director.request_received(req, bodies[it % len(bodies)])
+                director.response_ended(req.request_id)
+            gc.unfreeze()
+            return {"policy": policy_name, "prompt": kind, "iterations": iterations}
         for it in range(iterations + 200):
             if it == 200 and prof is not None:
                 prof.enable()
@@ -107,14 +132,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iterations", type=int, default=3000)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--case",
+        help="one case only, POLICY:TOKENIZER:PROMPT (e.g. kv:no:ids, round_robin:yes:text)",
+    )
+    ap.add_argument(
+        "--bare", action="store_true", help="no per-request timing (instruction counts)"
+    )
     args = ap.parse_args()
+    only = tuple(args.case.split(":")) if args.case else None
     rows = []
     with tempfile.TemporaryDirectory() as d:
         tok = write_vocab_tokenizer(Path(d) / "tokenizer.json")
         for policy in ("round_robin", "kv"):
             for tk in (tok, None):
                 for kind in KINDS:
-                    r = asyncio.run(run_case(policy, tk, kind, args.iterations, args.profile))
+                    if only is not None and only != (policy, "yes" if tk else "no", kind):
+                        continue
+                    r = asyncio.run(
+                        run_case(policy, tk, kind, args.iterations, args.profile, args.bare)
+                    )
+                    if args.bare:
+                        continue
                     rows.append(r)
                     st = " ".join(f"{k}={v:.0f}" for k, v in r["stages_mean_us"].items())
                     print(
@@ -125,6 +164,8 @@ def main() -> int:
                     )
                     if args.profile:
                         print(r["profile"])
+    if args.bare or only is not None:
+        return 0  # (a partial run does not overwrite the full one's file)
     out = ROOT / "bench" / "out" / "profile_kv.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "profile_kv", "rows": rows}, indent=2))

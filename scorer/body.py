@@ -25,15 +25,21 @@ from scorer.native import NATIVE
 _decoder = msgspec.json.Decoder()
 _KEY = b'"prompt"'
 _MAX_TRIES = 4
+# A key's string value as JSON encoders write it (compact, or Python's default spacing).
+_STRING_VALUE = (b':"', b': "')
 # Stands in for the packed array while msgspec decodes the rest: an integer, whose JSON
 # spelling is unique (no leading zeros, no '+'; a float spelling decodes to a float), so
 # one absent from the body can only come from the substitution.
 _MARK = b"7952834521136472161"
 _MARK_VALUE = int(_MARK)
 _NATIVE_JSON_IDS = getattr(NATIVE, "json_ids_u32", None)
-# Below this many body bytes the one-pass decode is as cheap (a 1k-id prompt is ~6 KB;
-# bench/bench_tokens.py --parse measures both ways).
-PACK_MIN_BYTES = 4096
+# Below this many body bytes the one-pass decode is as cheap. In instructions (callgrind;
+# this machine's timings swing too much to compare) the packed path costs ~14,000 fixed
+# and ~14 a byte, msgspec ~370 an id: 64 ids (439 B) 20,700 against 25,900, 288 ids
+# (1.7 KB) 42,000 against 104,000; 32 ids (247 B) 17,700 against 14,700. In time (shared
+# machine): 64 ids, ~0.6 KB, 5.0-5.8 µs both ways; 288 ids, 2.2 KB, 10.3 µs decoded and
+# packed against 4.6 packed (bench/bench_tokens.py --parse measures larger prompts).
+PACK_MIN_BYTES = 512
 
 
 def _ids(packed: bytes) -> array[int]:
@@ -101,37 +107,40 @@ def decode(body: bytes, native: bool = True) -> Any:
     Raises what `msgspec.json.Decoder().decode(body)` raises for the body (the reference,
     `native=False`, is exactly that call).
     """
-    if (
-        native
-        and _NATIVE_JSON_IDS is not None
-        and len(body) >= PACK_MIN_BYTES
-        and b'"prompt"' in body
-    ):
-        doc = _packed(body)
-        if doc is not None:
-            return doc
+    if native and _NATIVE_JSON_IDS is not None and len(body) >= PACK_MIN_BYTES:
+        # (find, not `in`: bytes.__contains__ tries the key as an int first and formats
+        # a TypeError, ~2,300 instructions)
+        at = body.find(_KEY)
+        # (a string value: a text prompt, the common decline, decided without the call)
+        if at >= 0 and not body.startswith(_STRING_VALUE, at + len(_KEY)):
+            doc = _packed(body, at)
+            if doc is not None:
+                return doc
     return _decoder.decode(body)
 
 
-def _packed(body: bytes) -> dict[str, Any] | None:
+def _packed(body: bytes, at: int) -> dict[str, Any] | None:
     """The body decoded with its prompt packed, or None (decode it the reference way).
 
-    The first `"prompt"` followed by `: [ids]` has its array parsed by the compiled code and
-    replaced by a marker integer found nowhere else in the body; msgspec decodes the rest.
+    `at`: where `"prompt"` first occurs (not with a string value). The first `"prompt"`
+    followed by `: [ids]` has its array parsed by the compiled code and replaced by a
+    marker integer found nowhere else in the body; msgspec decodes the rest.
     The top-level `prompt` decoding to the marker proves the array was that key's value
     (the last `prompt` key, as msgspec keeps the last of duplicates) and not text inside a
     string or a nested object's key; the rest decoded, the whole body is valid JSON.
     """
     assert _NATIVE_JSON_IDS is not None
-    at = body.find(_KEY)
     got = None
     for _ in range(_MAX_TRIES):  # a "prompt" inside an earlier string or object: the next
-        if at < 0:
-            return None
         got = _NATIVE_JSON_IDS(body, at + len(_KEY))
         if got is not None:
             break
         at = body.find(_KEY, at + 1)
+        if at < 0 or body.startswith(_STRING_VALUE, at + len(_KEY)):
+            # None left, or a string value (a text prompt, the common case the compiled
+            # parser would decline): the rest of the body is not searched (a token-id
+            # `prompt` after a string-valued one is decoded the reference way).
+            return None
     if got is None:
         return None
     packed, start, end = got

@@ -206,6 +206,9 @@ class Director:
         self._sheddable_header = ex.sheddable_header.lower()
         self._session_header = session_header(config)
         self._block_size = config.pool.block_size
+        # (bound once: each attribute read on a config model goes through pydantic's
+        # __getattr__ hook, ~350 instructions)
+        self._adapter_of = config.tokens.adapter_of
         # Bodyless requests (GET /v1/models) go to the least loaded, whatever the policy.
         self._bodyless = Profile(policy.ctx, policy.name, least_loaded({}))
         self._live: dict[str, _Live] = {}
@@ -248,14 +251,23 @@ class Director:
         self, headers: Mapping[str, str], subset: frozenset[str] | None = None
     ) -> RoutingRequest:
         """A RoutingRequest from the request headers (lower-case names)."""
+        get = headers.get
+        shed = get(self._sheddable_header)
+        # Positional, in RoutingRequest's field order (keywords cost a dict per call):
+        # request_id, headers, model, path, method, body, subset, session_id, lora,
+        # cache_salt, sheddable.
         return RoutingRequest(
-            request_id=headers.get("x-request-id") or f"r{next(self._ids)}",
-            headers=headers,
-            path=headers.get(":path", "/"),
-            method=headers.get(":method", "POST"),
-            subset=subset,
-            session_id=headers.get(self._session_header),
-            sheddable=truthy(headers.get(self._sheddable_header)),
+            get("x-request-id") or f"r{next(self._ids)}",
+            headers,
+            None,
+            get(":path", "/"),
+            get(":method", "POST"),
+            None,
+            subset,
+            get(self._session_header),
+            None,
+            None,
+            shed is not None and truthy(shed),
         )
 
     def too_large(self, request: RoutingRequest) -> Decision:
@@ -284,7 +296,7 @@ class Director:
         salt = doc.get("cache_salt")
         if isinstance(salt, str) and salt:
             request.cache_salt = salt
-        request.lora = self.config.tokens.adapter_of(model)
+        request.lora = self._adapter_of(model)
         # Estimate until the tokens stage knows better (~4 bytes per token of JSON).
         request.prompt_tokens = len(body) // 4
         # The body decode is this stage; the decision's total includes it.
@@ -294,13 +306,17 @@ class Director:
             return self._refuse(
                 request, Reason.NO_WORKERS, f"the model {model!r} is not served here"
             )
-        return await self.decide(request, dry_run)
+        if self.policy.needs_tokens and self.preparer is not None:
+            return await self.decide(request, dry_run)
+        # Nothing to tokenize: decide's path without its coroutine.
+        return self.decide_prepared(request, dry_run)
 
     async def decide(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
         """Decide where a parsed request goes (tokenizing first when the policy needs it)."""
         t0 = time.perf_counter()
         request.dry_run = dry_run
-        candidates = self.pool.eligible(request.model, request.subset)
+        pool = self.pool
+        candidates = pool.eligible(request.model, request.subset)
         if not candidates:
             return self._no_candidates(request)
         if (
@@ -309,17 +325,20 @@ class Director:
             and request.body
             and request.token_ids is None
         ):
+            changes = pool.changes
             t_tok = time.perf_counter()
             await self.preparer.prepare(request)
             request.stages.setdefault("tokenize", time.perf_counter() - t_tok)
             if request.over_budget is not None:  # past the tokens stage's CPU budget
                 param = "messages" if "messages" in request.body else "prompt"
                 return self._refuse(request, Reason.PROMPT_TOO_LARGE, request.over_budget, param)
-            # The pool can change while the prompt is tokenized (scorer.pool.discovery):
-            # never decide for a worker that has left it since.
-            candidates = [w for w in candidates if self.pool.workers.get(w.endpoint) is w]
-            if not candidates:
-                return self._no_candidates(request)
+            if pool.changes != changes:
+                # The pool changed while the prompt was tokenized (scorer.pool.discovery):
+                # never decide for a worker that has left it since.
+                workers = pool.workers
+                candidates = [w for w in candidates if workers.get(w.endpoint) is w]
+                if not candidates:
+                    return self._no_candidates(request)
         return self._decide(request, candidates, t0)
 
     def decide_prepared(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
@@ -348,16 +367,20 @@ class Director:
     def _decide(self, request: RoutingRequest, candidates: Sequence[Worker], t0: float) -> Decision:
         if self._prefill_due or self._prefilling:
             self.expire_prefill()
+        policy = self.policy
         t_dec = time.perf_counter()
-        rng = self.policy.ctx.rng
-        state = rng.getstate() if request.dry_run else None
-        try:
-            d = self.policy.decide(request, candidates)
-        finally:
-            if state is not None:
+        if request.dry_run:
+            rng = policy.ctx.rng
+            state = rng.getstate()
+            try:
+                d = policy.decide(request, candidates)
+            finally:
                 rng.setstate(state)
-        d.stages.setdefault("policy", time.perf_counter() - t_dec)
-        return self._decided(request, d, t0)
+        else:
+            d = policy.decide(request, candidates)
+        now = time.perf_counter()
+        d.stages.setdefault("policy", now - t_dec)
+        return self._decided(request, d, t0, now)
 
     def route_bodyless(self, request: RoutingRequest, dry_run: bool = False) -> Decision:
         """Requests without a body (GET /v1/models) go to the least-loaded eligible worker."""
@@ -385,40 +408,69 @@ class Director:
         d.param = param
         return self._decided(request, d, time.perf_counter())
 
-    def _decided(self, request: RoutingRequest, d: Decision, t0: float) -> Decision:
-        """Bookkeeping of every decision, exactly once: log, metrics, in flight."""
-        for stage, seconds in request.stages.items():
-            d.stages.setdefault(stage, seconds)
-        d.request_id = request.request_id
+    def _decided(
+        self, request: RoutingRequest, d: Decision, t0: float, now: float | None = None
+    ) -> Decision:
+        """Bookkeeping of every decision, exactly once: log, metrics, in flight. `now`:
+        perf_counter at the decision's end, when the caller just read it."""
+        if now is None:
+            now = time.perf_counter()
+        stages = d.stages
+        rstages = request.stages
+        for stage, seconds in rstages.items():
+            stages.setdefault(stage, seconds)
+        rid = d.request_id = request.request_id
         d.model = request.model
         d.request_tokens = d.request_tokens or request.prompt_tokens
         # total = parse → endpoint: the parse stage plus everything since t0.
-        d.stages["total"] = time.perf_counter() - t0 + request.stages.get("parse", 0.0)
+        stages["total"] = now - t0 + rstages.get("parse", 0.0)
         self.decisions.add(d)
         observe_decision(d)
         if request.dry_run:
             return d
         size = request.body_bytes or None
-        if d.endpoints and self.follows_responses:
+        eps = d.endpoints
+        if eps and self.follows_responses:
+            ep = eps[0]
             bs = request.block_size or self._block_size
-            total = request.prompt_tokens / bs
-            prefill = max(total - d.matched_tokens / bs, 0.0)
-            rid = request.request_id
-            self.inflight.routed(rid, d.endpoints[0], request.prompt_tokens, prefill, total)
-            live = _Live(d, request.started, size, self.clock(), prefill * bs, block_size=bs)
-            self._live[rid] = live
+            tokens = request.prompt_tokens
+            total = tokens / bs
+            prefill = total - d.matched_tokens / bs
+            if prefill < 0.0:  # (max(prefill, 0.0) without the builtin's argument parse)
+                prefill = 0.0
+            self.inflight.routed(rid, ep, tokens, prefill, total)
             body = request.body
+            # (positional: decision, started, request_bytes, routed_at, uncached_tokens,
+            # stream, block_size)
+            clock = self.clock
+            live = _Live(
+                d,
+                request.started,
+                size,
+                # (the decision's end is the director clock's now, unless a test swapped it)
+                now if clock is time.perf_counter else clock(),
+                prefill * bs,
+                body is not None and body.get("stream") is True,
+                bs,
+            )
+            self._live[rid] = live
             if body is not None:
                 # Requests with a body get an estimated prefill end; the response ends it
                 # earlier when it can (first body chunk of a stream, headers otherwise).
-                live.stream = body.get("stream") is True
                 live.estimated = True
-                w = self.pool.get(d.endpoints[0])
+                w = self.pool.workers.get(ep)
                 live.routed_page = w.scraped.pages if w is not None else 0
-                self._track(rid, live, d.endpoints[0])
+                live.tracked = ep  # (_track, inlined)
+                tracked = self._prefilling.get(ep)
+                if tracked is None:
+                    tracked = self._prefilling[ep] = {}
+                tracked[rid] = live
                 if self._fit_scrapes and not self.prefill.exact:
-                    live.fitting = d.endpoints[0]
-                    self._unfitted.setdefault(live.fitting, {})[rid] = live
+                    live.fitting = ep
+                    flights = self._unfitted.get(ep)
+                    if flights is None:
+                        flights = self._unfitted[ep] = {}
+                    flights[rid] = live
                 due = live.routed_at + self.prefill.estimate(live.uncached_tokens)
                 heapq.heappush(self._prefill_due, (due, rid))
         elif self.completion_hooks:
@@ -463,7 +515,7 @@ class Director:
         count comparison, and a heap peek when nothing is due."""
         now = self.clock()
         n = 0
-        for ep in list(self._prefilling):
+        for ep in list(self._prefilling) if self._prefilling else ():
             w = self.pool.get(ep)
             page = w.scraped.pages if w is not None else 0
             if w is None or page == 0:
@@ -658,10 +710,15 @@ class Director:
         live = self._live.pop(request_id, None)
         if live is None:
             return
-        self._untrack(request_id, live)
-        self._unfit(request_id, live)
-        endpoint = self.inflight.endpoint_of(request_id) or live.decision.endpoints[0]
-        self.inflight.finished(request_id)
+        ep = live.tracked
+        if ep is not None:  # (_untrack, inlined)
+            live.tracked = None
+            if _drop_flight(self._prefilling, ep, request_id):
+                self._pages.pop(ep, None)
+        if live.fitting is not None:
+            self._unfit(request_id, live)
+        # (finished returns where it was in flight: a fallback Envoy served counts there)
+        endpoint = self.inflight.finished(request_id) or live.decision.endpoints[0]
         usage: Usage | None = None
         body_bytes: int | None = None
         reader = live.reader
@@ -674,21 +731,23 @@ class Director:
         if reset and live.status is None:
             live.decision.notes.append("reset_before_response")
         if self.completion_hooks:
+            status = live.status
+            # (positional, in Completion's field order: keywords cost a dict per call)
             self._complete(
                 Completion(
-                    request_id=request_id,
-                    model=live.decision.model,
-                    endpoint=endpoint,
-                    routed=True,
-                    status=live.status,
-                    from_model_server=live.status is not None,
-                    duration_s=time.perf_counter() - live.started,
-                    request_bytes=live.request_bytes,
-                    reset=reset,
-                    response_bytes=body_bytes,
-                    input_tokens=usage.prompt_tokens if usage else None,
-                    output_tokens=usage.completion_tokens if usage else None,
-                    cached_tokens=usage.cached_tokens if usage else None,
+                    request_id,
+                    live.decision.model,
+                    endpoint,
+                    True,
+                    status,
+                    status is not None,
+                    time.perf_counter() - live.started,
+                    live.request_bytes,
+                    reset,
+                    body_bytes,
+                    usage.prompt_tokens if usage else None,
+                    usage.completion_tokens if usage else None,
+                    usage.cached_tokens if usage else None,
                 )
             )
 

@@ -28,11 +28,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import REGISTRY, Counter
+from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scorer.histogram import LoopHistogram
+from scorer.histogram import LoopCounter, LoopHistogram
 from scorer.pool.scrape import fresh_scrape
 from scorer.pool.workers import Pool
 
@@ -65,12 +65,14 @@ _INPUT_TOKEN_BUCKETS = (
 )  # fmt: skip
 _OUTPUT_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-REQUESTS = Counter(
+# LoopCounters: counted once per finished request on the event loop (a director
+# completion hook), ~100 instructions an increment instead of prometheus_client's ~4,600.
+REQUESTS = LoopCounter(
     "inference_objective_request_total",
     "Requests scheduled, by model and target model (inference extension family)",
     [*_MODEL_LABELS, "priority"],
 )
-REQUEST_ERRORS = Counter(
+REQUEST_ERRORS = LoopCounter(
     "inference_objective_request_error_total",
     "Requests that ended in an error, by model, target model and error code "
     "(BadRequest, ResourceExhausted, ServiceUnavailable, ModelServerError, Internal)",
@@ -241,7 +243,7 @@ def observe_completion(c: Completion) -> None:
     if c.routed:
         if mc.requests is None:
             mc.requests = _child(REQUESTS, model, model, "0")
-        mc.requests.inc()
+        mc.requests.value += 1.0
         if c.request_bytes is not None:
             if mc.sizes is None:
                 mc.sizes = _child(REQUEST_SIZES, model, model)

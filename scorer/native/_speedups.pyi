@@ -83,6 +83,9 @@ def gpu_depths(
     disk: dict[int, int],
     allowed: int,
 ) -> dict[int, int] | None: ...
+def append_stages(
+    stages: dict[str, float], pending: dict[str, list[float]], fold_at: int
+) -> bool: ...
 def media_depths(
     keys: Sequence[int],
     gpu: dict[int, int],

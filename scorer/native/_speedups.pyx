@@ -19,7 +19,8 @@ from cpython.array cimport array, clone
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.array cimport resize_smart
-from cpython.dict cimport PyDict_Contains, PyDict_GetItemWithError, PyDict_Size
+from cpython.dict cimport PyDict_Contains, PyDict_GetItemWithError, PyDict_Next, PyDict_Size
+from cpython.list cimport PyList_Append, PyList_GET_SIZE
 from cpython.long cimport PyLong_AsUnsignedLongLongMask, PyLong_Check, PyLong_FromUnsignedLongLong
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.object cimport PyObject
@@ -1290,6 +1291,28 @@ def depth_matches(dict counts, list bit_ep, cache, make):
         out[bit_ep[b]] = got
     return out
 
+
+# ---------------------------------------------------------------- decision stage histograms
+
+def append_stages(dict stages, dict pending, Py_ssize_t fold_at):
+    """`scorer.policy.metrics.append_stages` (the reference): each (stage, seconds) of
+    `stages` whose stage has a list in `pending` appended to that list; True when one of
+    those lists holds `fold_at` values or more (the caller folds it)."""
+    cdef Py_ssize_t pos = 0
+    cdef PyObject* k
+    cdef PyObject* v
+    cdef PyObject* got
+    cdef bint full = False
+    while PyDict_Next(stages, &pos, &k, &v):
+        got = PyDict_GetItemWithError(pending, <object>k)
+        if got == NULL:
+            continue
+        if type(<object>got) is not list:
+            raise TypeError("pending lists must be lists")
+        PyList_Append(<object>got, <object>v)
+        if PyList_GET_SIZE(<object>got) >= fold_at:
+            full = True
+    return full
 
 def media_depths(keys, dict gpu, dict spec, dict cpu, dict disk, allowed):
     """`match.media_depths` (the reference) in one pass: per block of `keys`, its holders on

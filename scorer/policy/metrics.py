@@ -3,20 +3,19 @@
 Every decision, from the data path or the Score RPC, goes through `Director` bookkeeping, which
 calls `observe_decision` once: decisions by policy and reason, matched-token ratio and
 stage latencies. The histograms are `scorer.histogram.LoopHistogram`s (observed on the
-event loop, ~0.15 µs each instead of prometheus_client's ~1.5 µs; same families).
+event loop, ~0.15 µs each instead of prometheus_client's ~1.5 µs; same families), the
+counter a `LoopCounter` (~100 instructions an increment instead of ~4,600).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from typing import Any
+from collections.abc import Callable
 
-from prometheus_client import Counter
-
-from scorer.histogram import HistogramChild, LoopHistogram
+from scorer.histogram import FOLD_AT, CounterChild, HistogramChild, LoopCounter, LoopHistogram
+from scorer.native import NATIVE
 from scorer.routing import Decision
 
-DECISIONS = Counter(
+DECISIONS = LoopCounter(
     "kv_scorer_decisions_total", "Routing decisions by policy and reason", ["policy", "reason"]
 )
 # Labelled children resolved once (below): labels() costs a lock and a dict lookup per call.
@@ -52,13 +51,16 @@ STAGE_SECONDS = LoopHistogram(
 # explain + bookkeeping, as the router times it) stays in the decision log only.
 STAGES = ("parse", "tokenize", "hash", "match", "score", "explain", "total")
 _stage_children = {s: STAGE_SECONDS.labels(s) for s in STAGES}
+# Stage -> its child's pending list (a fold clears the list in place: it stays the child's).
+_stage_pending = {s: c.pending for s, c in _stage_children.items()}
+
 # Per (policy, reason): its counter child and the policy's ratio child (created on first
 # use, as labels() would: a label set appears once it is observed).
-_by_key: dict[tuple[str, str], tuple[Any, list[HistogramChild | None]]] = {}
+_by_key: dict[tuple[str, str], tuple[CounterChild, list[HistogramChild | None]]] = {}
 _ratio_children: dict[str, list[HistogramChild | None]] = {}
 
 
-def _resolve(key: tuple[str, str]) -> tuple[Any, list[HistogramChild | None]]:
+def _resolve(key: tuple[str, str]) -> tuple[CounterChild, list[HistogramChild | None]]:
     ratio = _ratio_children.get(key[0])
     if ratio is None:
         ratio = _ratio_children[key[0]] = [None]
@@ -73,17 +75,36 @@ def observe_decision(d: Decision) -> None:
     got = _by_key.get(key)
     if got is None:
         got = _resolve(key)
-    got[0].inc()
-    children = _stage_children
-    for stage, seconds in d.stages.items():
-        child = children.get(stage)
-        if child is not None:
-            # HistogramChild.observe, inlined (a method call per stage was most of this).
-            child.counts[bisect_left(child._bounds, seconds)] += 1
-            child.sum += seconds
+    got[0].value += 1.0
+    # HistogramChild.observe per stage, the loop compiled when built (~1,200
+    # instructions a stage in Python).
+    if _append_stages(d.stages, _stage_pending, FOLD_AT):
+        for child in _stage_children.values():
+            if len(child.pending) >= FOLD_AT:
+                child.fold()
     if d.endpoints and d.request_tokens > 0:
         slot = got[1]
         ratio = slot[0]
         if ratio is None:
             ratio = slot[0] = MATCHED_RATIO.labels(d.policy)
-        ratio.observe(min(d.matched_tokens / d.request_tokens, 1.0))
+        r = d.matched_tokens / d.request_tokens
+        ratio.observe(1.0 if r > 1.0 else r)  # min(r, 1.0), without the builtin's arg parse
+
+
+def append_stages(stages: dict[str, float], pending: dict[str, list[float]], fold_at: int) -> bool:
+    """Each (stage, seconds) of `stages` whose stage has a list in `pending` appended to
+    it; True when one of those lists holds `fold_at` values or more. The reference of the
+    compiled `append_stages` (tests/test_histogram.py compares both)."""
+    full = False
+    for stage, seconds in stages.items():
+        p = pending.get(stage)
+        if p is not None:
+            p.append(seconds)
+            if len(p) >= fold_at:
+                full = True
+    return full
+
+
+_append_stages: Callable[[dict[str, float], dict[str, list[float]], int], bool] = (
+    getattr(NATIVE, "append_stages", None) or append_stages
+)

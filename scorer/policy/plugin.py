@@ -16,7 +16,6 @@ candidates, the clock, and the shared numbers computed once (load table, index m
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -35,14 +34,38 @@ class PluginOptions(PolicyOptions):
     Options shared with the shipped policies' sections derive from PolicyOptions."""
 
 
-_EMPTY: Mapping[str, MatchLike] = {}
-# Worker.endpoint without the property call (one C-level getter over all candidates).
-_endpoint = attrgetter("config.endpoint")
+# The empty lookup (no index, no block keys); shared, never changed.
+NO_MATCHES: Mapping[str, MatchLike] = {}
+# Worker.endpoint, one C-level getter over all candidates.
+_endpoint = attrgetter("endpoint")
 
 
-@dataclass(slots=True)
 class Cycle:
-    """One decision's state, shared by its plugins."""
+    """One decision's state, shared by its plugins.
+
+    `load` and `endpoints` are plain attributes, computed at construction (every profile
+    reads both; a property call per read cost more than building them up front).
+    """
+
+    __slots__ = (
+        "_matches",
+        "all_filtered",
+        "block_size",
+        "busy",
+        "candidates",
+        "cost",
+        "eligible",
+        "endpoints",
+        "filtered",
+        "load",
+        "now",
+        "request",
+        "request_blocks",
+        "shown_matches",
+        "stale_after_s",
+        "stale_any",
+        "waiting_request_blocks",
+    )
 
     request: RoutingRequest
     candidates: Sequence[Worker]
@@ -52,52 +75,71 @@ class Cycle:
     stale_after_s: float  # load.stale_after_s: older scrapes are ignored
     waiting_request_blocks: float  # blocks per request in a scraped engine queue
     # Why each candidate was filtered (None: kept). Set by filters.
-    filtered: list[str | None] = field(default_factory=list)
+    filtered: list[str | None]
     # Indices of the candidates the scorers and the picker see (after the filters).
-    eligible: list[int] = field(default_factory=list)
-    all_filtered: bool = False  # every candidate was filtered: all are scored anyway
+    eligible: list[int]
+    all_filtered: bool  # every candidate was filtered: all are scored anyway
     # The cost term by term (scorer dynamo_cost), for the explanation rows: the same
     # numbers the cost used.
-    cost: CostTable | None = None
-    # The index lookup the explanation rows show (the first cache scorer's).
-    shown_matches: Mapping[str, MatchLike] = field(default_factory=dict)
+    cost: CostTable | None
+    # The index lookup the explanation rows show (the first cache scorer's; assigned,
+    # never changed in place: the default is one shared empty mapping).
+    shown_matches: Mapping[str, MatchLike]
     # Busy thresholds applied while building the load table (the profile's busy filter).
-    busy: BusyOptions | None = None
-    stale_any: bool = False  # a cost row's credit was cut for a stale event stream
-    _load: LoadTable | None = None
-    _endpoints: list[str] | None = None
-    _matches: dict[int, Mapping[str, MatchLike]] = field(default_factory=dict)
+    busy: BusyOptions | None
+    stale_any: bool  # a cost row's credit was cut for a stale event stream
+    # Every candidate's load terms (load_table with `busy`, as of the construction).
+    load: LoadTable
+    # The candidates' endpoints (parallel to `candidates`).
+    endpoints: list[str]
+    _matches: dict[int, Mapping[str, MatchLike]] | None
 
-    @property
-    def load(self) -> LoadTable:
-        """Every candidate's load terms (computed on first use, once)."""
-        t = self._load
-        if t is None:
-            t = self._load = load_table(
-                self.candidates,
-                self.now,
-                self.stale_after_s,
-                self.waiting_request_blocks,
-                self.busy,
-            )
-        return t
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The candidates' endpoints (parallel to `candidates`; built once)."""
-        eps = self._endpoints
-        if eps is None:
-            eps = self._endpoints = list(map(_endpoint, self.candidates))
-        return eps
+    def __init__(
+        self,
+        request: RoutingRequest,
+        candidates: Sequence[Worker],
+        now: float,
+        block_size: int,
+        request_blocks: float,
+        stale_after_s: float,
+        waiting_request_blocks: float,
+        filtered: list[str | None] | None = None,
+        eligible: list[int] | None = None,
+        all_filtered: bool = False,
+        cost: CostTable | None = None,
+        shown_matches: Mapping[str, MatchLike] = NO_MATCHES,
+        busy: BusyOptions | None = None,
+        stale_any: bool = False,
+    ) -> None:
+        self.request = request
+        self.candidates = candidates
+        self.now = now
+        self.block_size = block_size
+        self.request_blocks = request_blocks
+        self.stale_after_s = stale_after_s
+        self.waiting_request_blocks = waiting_request_blocks
+        self.filtered = [] if filtered is None else filtered
+        self.eligible = [] if eligible is None else eligible
+        self.all_filtered = all_filtered
+        self.cost = cost
+        self.shown_matches = shown_matches
+        self.busy = busy
+        self.stale_any = stale_any
+        self.load = load_table(candidates, now, stale_after_s, waiting_request_blocks, busy)
+        self.endpoints = list(map(_endpoint, candidates))
+        self._matches = None
 
     def matches(self, index: IndexLike | None) -> Mapping[str, MatchLike]:
         """Each candidate's cached prefix in `index` (one lookup per index per decision)."""
         keys = self.request.block_keys
         if index is None or not keys:
-            return _EMPTY
-        got = self._matches.get(id(index))
+            return NO_MATCHES
+        cache = self._matches
+        if cache is None:
+            cache = self._matches = {}
+        got = cache.get(id(index))
         if got is None:
-            got = self._matches[id(index)] = index.match(keys, self.endpoints)
+            got = cache[id(index)] = index.match(keys, self.endpoints)
         return got
 
 

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
-from scorer.policy.cost import BusyOptions
+from scorer.policy.cost import BusyOptions, CostTable, LoadTable
 from scorer.policy.parts import MatchLike
-from scorer.policy.plugin import Cycle, Filter, Picker, Plugin, Scorer
+from scorer.policy.plugin import NO_MATCHES, Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
 from scorer.routing import CandidateScore, Decision, Reason, RoutingRequest, refuse
 
@@ -104,15 +105,27 @@ def spec_from_config(name: str, raw: dict[str, Any]) -> ProfileSpec:
     return spec
 
 
+# The reasons a decision names, read once: each `Reason.X` goes through EnumType's
+# __getattr__ hook (~1,000 instructions a read).
+_NO_BODY = Reason.NO_BODY
+_TOKENIZE_ERROR = Reason.TOKENIZE_ERROR
+_NO_TOKENIZER = Reason.NO_TOKENIZER
+_BUSY_ALL = Reason.BUSY_ALL
+_STALE_EVENTS = Reason.STALE_EVENTS
+_STALE_NOTE = str(Reason.STALE_EVENTS)
+_KV_HIT = Reason.KV_HIT
+_LOAD = Reason.LOAD
+
+
 def no_token_reason(request: RoutingRequest) -> Reason | None:
     """Why a request has no block keys (routed by load), or None when it has them."""
     if request.block_keys is not None:
         return None
     if request.body is None:
-        return Reason.NO_BODY
+        return _NO_BODY
     if request.tokenize_error is not None:
-        return Reason.TOKENIZE_ERROR
-    return Reason.NO_TOKENIZER
+        return _TOKENIZE_ERROR
+    return _NO_TOKENIZER
 
 
 class Profile(Policy):
@@ -146,6 +159,12 @@ class Profile(Policy):
         self._busy = next(
             (f.options for f in self.filters if isinstance(f.options, BusyOptions)), None
         )
+        # The plugins with a commit of their own (the base class's does nothing).
+        self._committers = [p for p in self.plugins if type(p).commit is not Plugin.commit]
+        # Per-decision constants, read once (an attribute of a config model goes through
+        # pydantic's __getattr__ hook, ~350 instructions a read).
+        self._block_size = ctx.config.pool.block_size
+        self._stale_after_s = ctx.config.load.stale_after_s
 
     def plugin(self, name: str) -> Plugin | None:
         """This profile's plugin named `name` (first match), for tests and tools."""
@@ -154,8 +173,7 @@ class Profile(Policy):
     def decide(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Decision:
         """Filters → scorers → picker → explanation → commit (not in a dry run)."""
         t0 = time.perf_counter()
-        config = self.ctx.config
-        block_size = request.block_size or config.pool.block_size
+        block_size = request.block_size or self._block_size
         keys = request.block_keys
         if request.prompt_tokens:
             req_blocks = float(math.ceil(request.prompt_tokens / block_size))
@@ -163,7 +181,7 @@ class Profile(Policy):
             req_blocks = float(len(keys or ()))
         wrb = self.waiting_request_blocks
         if wrb is None:
-            wrb = max(req_blocks, 1.0)
+            wrb = 1.0 if req_blocks < 1.0 else req_blocks  # max(req_blocks, 1.0)
         n = len(candidates)
         cycle = Cycle(
             request,
@@ -171,10 +189,14 @@ class Profile(Policy):
             self.clock(),
             block_size,
             req_blocks,
-            config.load.stale_after_s,
+            self._stale_after_s,
             wrb,
             [None] * n,
-            busy=self._busy,
+            None,
+            False,
+            None,
+            NO_MATCHES,
+            self._busy,
         )
         for p in self.scorers:
             p.prepare(cycle)
@@ -184,7 +206,7 @@ class Profile(Policy):
             f.filter(cycle)
         filtered = cycle.filtered
         # (A filtered candidate's entry is its reason, a non-empty string.)
-        eligible = [i for i in range(n) if filtered[i] is None] if any(filtered) else [*range(n)]
+        eligible = _kept(filtered) if any(filtered) else [*range(n)]
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
@@ -202,6 +224,8 @@ class Profile(Policy):
         scorers = self.scorers
         if self._plain:
             costs = scorers[0].costs(cycle)
+        elif not scorers:  # the picker alone decides (round robin, random)
+            costs = [0.0] * len(eligible)
         else:
             total = [0.0] * len(eligible)
             for s, w in zip(scorers, self.weights, strict=True):
@@ -216,40 +240,55 @@ class Profile(Policy):
         eps = cycle.endpoints
         endpoints = [eps[win]]
         if self.fallback_count:
-            rest = [k for k in self.picker.order(cycle, costs) if k != j]
-            endpoints += [eps[eligible[k]] for k in rest[: self.fallback_count]]
-        reason, notes = self._reason(cycle, win)
+            endpoints += _fallbacks(
+                self.picker.order(cycle, costs), j, eps, eligible, self.fallback_count
+            )
+        # (no cost table and nothing shown: nothing held, without the call)
+        held = cycle.cost is not None or cycle.shown_matches
+        win_blocks = _held_blocks(cycle, win) if held else 0
+        notes: list[str]
+        if self.picker.reason is not None:  # the picker alone decides (round robin, ...)
+            reason, notes = self.picker.reason, []
+        else:
+            reason, notes = self._reason(cycle, win, win_blocks)
         # The rows are built when first read (/debug/decisions, the Score RPC), from this
         # decision's numbers: in-flight counts as they are now, before the commit.
-        rows = explanation_rows(cycle, costs if scorers else None, _requests(candidates))
-        if not request.dry_run:
-            for plug in self.plugins:
-                plug.commit(cycle, win)
-        d = Decision(
-            endpoints=endpoints,
-            reason=reason,
-            policy=self.name,
-            matched_tokens=_held_blocks(cycle, win) * block_size,
-            request_tokens=request.prompt_tokens,
-            notes=notes,
+        rows = explanation_rows(
+            cycle, costs if scorers else None, [w.inflight.requests for w in candidates]
         )
-        d.candidates = rows
-        d.stages["match"] = t_match - t0
-        d.stages["score"] = t_score - t_match
-        d.stages["explain"] = time.perf_counter() - t_score
+        if not request.dry_run:
+            for plug in self._committers:
+                plug.commit(cycle, win)
+        # (positional: endpoints, reason, policy, matched_tokens, request_tokens, status,
+        # message, param, notes; keywords cost a dict per call)
+        d = Decision(
+            endpoints,
+            reason,
+            self.name,
+            win_blocks * block_size,
+            request.prompt_tokens,
+            200,
+            "",
+            None,
+            notes,
+        )
+        d._rows = rows  # (the `candidates` setter's slot, without the property call)
+        stages = d.stages
+        stages["match"] = t_match - t0
+        stages["score"] = t_score - t_match
+        stages["explain"] = time.perf_counter() - t_score
         return d
 
-    def _reason(self, cycle: Cycle, win: int) -> tuple[Reason, list[str]]:
-        """Why candidate `win` won, and the secondary reasons."""
+    def _reason(self, cycle: Cycle, win: int, win_blocks: int) -> tuple[Reason, list[str]]:
+        """Why candidate `win` won (holding `win_blocks` of the prompt), and the secondary
+        reasons."""
         notes: list[str] = []
         if self.picker.reason is not None:
             return self.picker.reason, notes
         fallback = no_token_reason(cycle.request) if self.needs_tokens else None
         stale_any = cycle.stale_any
-        stale = str(Reason.STALE_EVENTS)
-        win_blocks = _held_blocks(cycle, win)
         if cycle.all_filtered:
-            reason = Reason.BUSY_ALL
+            reason = _BUSY_ALL
             if fallback is not None:
                 notes.append(str(fallback))
         elif fallback is not None:
@@ -260,13 +299,13 @@ class Profile(Policy):
                 _stale_row(cycle, i) and _held_blocks(cycle, i) > win_blocks for i in cycle.eligible
             )
         ):
-            reason = Reason.STALE_EVENTS
+            reason = _STALE_EVENTS
         elif win_blocks > 0:
-            reason = Reason.KV_HIT
+            reason = _KV_HIT
         else:
-            reason = Reason.LOAD
-        if stale_any and reason is not Reason.STALE_EVENTS:
-            notes.append(stale)
+            reason = _LOAD
+        if stale_any and reason is not _STALE_EVENTS:
+            notes.append(_STALE_NOTE)
         filtered = cycle.filtered
         if not cycle.all_filtered and any(filtered):
             # A filtered worker held more of the prompt than the winner: say it spilled
@@ -278,6 +317,19 @@ class Profile(Policy):
             if top > win_blocks:
                 notes.append(f"spilled:{why}")
         return reason, notes
+
+
+# (Comprehensions over a function's locals make them closure cells for the whole
+# function: these run in their own.)
+def _kept(filtered: list[str | None]) -> list[int]:
+    """Positions of the candidates no filter dropped."""
+    return [i for i in range(len(filtered)) if filtered[i] is None]
+
+
+def _fallbacks(order: list[int], j: int, eps: list[str], eligible: list[int], k: int) -> list[str]:
+    """The `k` best endpoints after the winner (position `j`), in the picker's order."""
+    rest = [i for i in order if i != j]
+    return [eps[eligible[i]] for i in rest[:k]]
 
 
 def _requests(candidates: Sequence[Worker]) -> list[int]:
@@ -314,78 +366,93 @@ def explanation_rows(
     from the numbers the filters, the cost and the picker used. It holds those numbers
     only (not the request: a deferred builder stays with its decision in the log).
     `requests`: each candidate's in-flight requests at decision time (None: now)."""
-    candidates = cycle.candidates
-    load = cycle.load
+    # One partial (two objects), not a closure (a cell per captured name).
+    return partial(
+        _build_rows,
+        cycle.candidates,
+        cycle.load,
+        cycle.shown_matches,
+        cycle.cost,
+        cycle.filtered,
+        cycle.block_size,
+        cycle.eligible,
+        _requests(cycle.candidates) if requests is None else requests,
+        costs,
+    )
+
+
+def _build_rows(
+    candidates: Sequence[Worker],
+    load: LoadTable,
+    matches: Mapping[str, MatchLike],
+    table: CostTable | None,
+    filtered: list[str | None],
+    bs: int,
+    eligible: list[int],
+    reqs: list[int],
+    costs: list[float] | None,
+) -> list[CandidateScore]:
+    """The explanation rows (see `explanation_rows`)."""
     pfs, dcs, wqs, kus = load.prefill, load.decode, load.waiting, load.kv_usage
-    matches = cycle.shown_matches
-    table = cycle.cost
-    filtered = cycle.filtered
-    bs = cycle.block_size
-    eligible = cycle.eligible
-    reqs = _requests(candidates) if requests is None else requests
-
-    def build() -> list[CandidateScore]:
-        cost_of = dict(zip(eligible, costs, strict=True)) if costs is not None else {}
-        n = len(candidates)
-        # The cost's columns by candidate index (no cost: no cost rows).
-        if table is None:
-            cms: list[MatchLike | None] = [None] * n
-            wts: list[float] = []
-            crs: list[float] = []
-            stales: list[bool] | None = None
+    cost_of = dict(zip(eligible, costs, strict=True)) if costs is not None else {}
+    n = len(candidates)
+    # The cost's columns by candidate index (no cost: no cost rows).
+    if table is None:
+        cms: list[MatchLike | None] = [None] * n
+        wts: list[float] = []
+        crs: list[float] = []
+        stales: list[bool] | None = None
+    else:
+        cms, wts, crs, stales = table.by_candidate(n)
+    rows: list[CandidateScore] = []
+    add = rows.append
+    for i, (w, m) in enumerate(zip(candidates, cms, strict=True)):
+        note: str | None = None
+        if m is None:
+            # No cost row for this candidate: the match shown, neutral cost terms.
+            mm = matches.get(w.endpoint) if matches else None
+            blocks = 0 if mm is None else mm.blocks
+            by_medium = {} if mm is None else mm.by_medium
+            weighted, credit = 0.0, 1.0
         else:
-            cms, wts, crs, stales = table.by_candidate(n)
-        rows: list[CandidateScore] = []
-        add = rows.append
-        for i, (w, m) in enumerate(zip(candidates, cms, strict=True)):
-            note: str | None = None
-            if m is None:
-                # No cost row for this candidate: the match shown, neutral cost terms.
-                mm = matches.get(w.endpoint) if matches else None
-                blocks = 0 if mm is None else mm.blocks
-                by_medium = {} if mm is None else mm.by_medium
-                weighted, credit = 0.0, 1.0
-            else:
-                blocks, by_medium = m.blocks, m.by_medium
-                weighted, credit = wts[i], crs[i]
-                if stales is not None and stales[i]:
-                    note = "stale_events"
-            add(
-                CandidateScore(
-                    w.endpoint,
-                    blocks,
-                    blocks * bs,
-                    by_medium,
-                    weighted,
-                    credit,
-                    reqs[i],
-                    pfs[i],
-                    dcs[i],
-                    wqs[i],
-                    kus[i],
-                    cost_of.get(i),
-                    filtered[i],
-                    note,
-                )
+            blocks, by_medium = m.blocks, m.by_medium
+            weighted, credit = wts[i], crs[i]
+            if stales is not None and stales[i]:
+                note = "stale_events"
+        add(
+            CandidateScore(
+                w.endpoint,
+                blocks,
+                blocks * bs,
+                by_medium,
+                weighted,
+                credit,
+                reqs[i],
+                pfs[i],
+                dcs[i],
+                wqs[i],
+                kus[i],
+                cost_of.get(i),
+                filtered[i],
+                note,
             )
-        if table is not None:
-            best, held = table.best_held, table.held
-            if best is not None and held is not None:
-                for i, h in zip(table.eligible, held, strict=True):
-                    rows[i].duplicate_blocks = best - h
-            if table.queue is not None:
-                for i, q in zip(table.eligible, table.queue, strict=True):
-                    rows[i].queue_blocks = q
-            if table.share is not None:
-                for i, x in zip(table.eligible, table.share, strict=True):
-                    rows[i].share_blocks = x
-            if table.copy is not None:
-                for i, x in zip(table.eligible, table.copy, strict=True):
-                    rows[i].copy_blocks = x
-            if table.fleet is not None:
-                # (table, candidate index): the row's terms are built when it is shown.
-                for i in table.eligible:
-                    rows[i].terms = (table, i)
-        return rows
-
-    return build
+        )
+    if table is not None:
+        best, held = table.best_held, table.held
+        if best is not None and held is not None:
+            for i, h in zip(table.eligible, held, strict=True):
+                rows[i].duplicate_blocks = best - h
+        if table.queue is not None:
+            for i, q in zip(table.eligible, table.queue, strict=True):
+                rows[i].queue_blocks = q
+        if table.share is not None:
+            for i, x in zip(table.eligible, table.share, strict=True):
+                rows[i].share_blocks = x
+        if table.copy is not None:
+            for i, x in zip(table.eligible, table.copy, strict=True):
+                rows[i].copy_blocks = x
+        if table.fleet is not None:
+            # (table, candidate index): the row's terms are built when it is shown.
+            for i in table.eligible:
+                rows[i].terms = (table, i)
+    return rows

@@ -65,7 +65,9 @@ class InflightTracker:
         """A request was sent to `endpoint`; its prompt work counts until its first byte."""
         if request_id in self._flights:
             self.finished(request_id)
-        wl = self._counters(endpoint)
+        wl = self.loads.get(endpoint)  # (_counters, inlined: once per request)
+        if wl is None:
+            wl = self.loads[endpoint] = WorkerLoad()
         wl.requests += 1
         wl.routed_total += 1
         wl.prefill_tokens += prompt_tokens
@@ -106,12 +108,15 @@ class InflightTracker:
         if not in_prefill:
             self.first_byte(request_id)
 
-    def finished(self, request_id: str) -> None:
-        """The stream ended (normally, by error or by client reset)."""
+    def finished(self, request_id: str) -> str | None:
+        """The stream ended (normally, by error or by client reset). Returns the endpoint
+        it was in flight on (None: not in flight), as `endpoint_of` said before the call."""
         f = self._flights.pop(request_id, None)
         if f is None:
-            return
-        wl = self._counters(f.endpoint)
+            return None
+        wl = self.loads.get(f.endpoint)  # (_counters, inlined: once per request)
+        if wl is None:
+            wl = self.loads[f.endpoint] = WorkerLoad()
         wl.requests -= 1
         if f.in_prefill:
             wl.prefill_tokens -= f.prompt_tokens
@@ -121,6 +126,7 @@ class InflightTracker:
             wl.decode_blocks -= f.total_blocks
         if wl.requests <= 0 and f.endpoint not in self._members:
             del self.loads[f.endpoint]
+        return f.endpoint
 
     def drop_endpoint(self, endpoint: str) -> int:
         """Forget every in-flight request on `endpoint` (the worker was ejected): its counters

@@ -113,8 +113,14 @@ class PrefillModel:
 
     def estimate(self, tokens: float) -> float:
         """Expected prefill seconds for `tokens` uncached prompt tokens."""
-        s = self.a + self.b * max(tokens, 0.0)
-        return min(max(s, self.min_s), self.max_s)
+        # max / min spelled out (same results, NaN included: the first argument unless
+        # the second is strictly larger / smaller); the builtins parse keyword arguments
+        # on every call (~700 instructions each). Once per decision.
+        s = self.a + self.b * (0.0 if tokens < 0.0 else tokens)
+        lo = self.min_s
+        s = lo if lo > s else s
+        hi = self.max_s
+        return hi if hi < s else s
 
     def view(self) -> dict[str, float | int]:
         """The fit as `/debug/pool` shows it (ms; the defaults until `min_samples`)."""

@@ -97,18 +97,23 @@ class Worker:
     # Where it came from: "config", or the pod ("namespace/name", uid) that owns the address.
     pod: str | None = None
     pod_uid: str | None = None
+    # config.endpoint and config.models as plain attributes: every decision reads them,
+    # and each read of a pydantic model's attribute goes through its __getattr__ hook
+    # (a property on top of that cost ~1,100 instructions a read).
+    endpoint: str = field(init=False)
+    models: list[str] = field(init=False, repr=False)
 
-    @property
-    def endpoint(self) -> str:
-        return self.config.endpoint
+    def __post_init__(self) -> None:
+        self.endpoint = self.config.endpoint
+        self.models = self.config.models
 
     @property
     def ip(self) -> str:
-        return self.config.endpoint.rsplit(":", 1)[0].strip("[]")
+        return self.endpoint.rsplit(":", 1)[0].strip("[]")
 
     def serves(self, model: str | None) -> bool:
         """True when the worker lists no models, or lists this one."""
-        return model is None or not self.config.models or model in self.config.models
+        return model is None or not self.models or model in self.models
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +141,9 @@ class Pool:
         self.models = frozenset(models)
         self.workers: dict[str, Worker] = {}
         self._listeners: list[PoolListener] = []
+        # Membership changes so far (add, remove): a caller that awaited between reading
+        # the pool and using it compares this instead of re-checking every worker.
+        self.changes = 0
         for wc in workers:
             self.workers[wc.endpoint] = Worker(wc, self.inflight.load(wc.endpoint))
         POOL_WORKERS.set(len(self.workers))
@@ -186,6 +194,7 @@ class Pool:
         self.inflight.forget(config.endpoint)
         w = Worker(config, self.inflight.load(config.endpoint), pod=pod, pod_uid=pod_uid)
         self.workers[config.endpoint] = w
+        self.changes += 1
         self._tell(PoolChange("added", w, reason))
         return w
 
@@ -195,6 +204,7 @@ class Pool:
         w = self.workers.pop(endpoint, None)
         if w is None:
             return None
+        self.changes += 1
         w.healthy = False  # a policy still holding the object never picks it
         self.inflight.forget(endpoint)
         self._tell(PoolChange("removed", w, reason))
@@ -224,14 +234,18 @@ class Pool:
 
     def eligible(self, model: str | None, subset: frozenset[str] | None) -> list[Worker]:
         """Healthy workers that serve `model` and match the subset hint (if any)."""
-        out = []
-        for w in self.workers.values():
-            if not w.healthy or not w.serves(model):
-                continue
-            if subset is not None and not matches_subset(w, subset):
-                continue
-            out.append(w)
-        return out
+        if subset is None:
+            # Every request's first step: Worker.serves inlined (one comprehension).
+            return [
+                w
+                for w in self.workers.values()
+                if w.healthy and (model is None or not w.models or model in w.models)
+            ]
+        return [
+            w
+            for w in self.workers.values()
+            if w.healthy and w.serves(model) and matches_subset(w, subset)
+        ]
 
 
 def matches_subset(worker: Worker, subset: frozenset[str]) -> bool:

@@ -39,7 +39,7 @@ from scorer.blocks import BlockHasher, namespace_key
 from scorer.body import PackedIds
 from scorer.config import Config, ConfigError
 from scorer.errors import json_error
-from scorer.histogram import LoopHistogram
+from scorer.histogram import LoopCounter, LoopHistogram
 from scorer.native import NATIVE
 from scorer.routing import RoutingRequest
 from scorer.tokens.budget import BudgetExceeded
@@ -67,12 +67,13 @@ TOKENIZE_SECONDS = LoopHistogram(
     "Time from request body to block keys (render + tokenize + hash).",
     buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
 )
-TOKENIZE_OUTCOMES = Counter(
+# Counted on the event loop by `prepare` (a LoopCounter: no lock, ~100 instructions).
+TOKENIZE_OUTCOMES = LoopCounter(
     "kv_scorer_tokenize_requests",
     "Requests through the tokens stage by outcome (ok, no_tokenizer, error, over_budget).",
     ["outcome"],
 )
-# Children resolved once (labels() takes a lock and builds a key per call).
+# Children resolved once.
 _OUTCOME = {o: TOKENIZE_OUTCOMES.labels(o) for o in ("ok", "no_tokenizer", "error", "over_budget")}
 # A token-id list's check and packing in one compiled pass (scorer/native/_speedups.pyx),
 # when built; `Tokenization._ids_bytes(native=False)` is the reference.
@@ -106,7 +107,9 @@ INLINE_MAX_IDS = 32768
 def _id_count(body: Mapping[str, Any]) -> int:
     """Ids in a token-id prompt (its first prompt for a batch)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, PackedIds):  # packed at parse (scorer.body)
+    # (`type(...) is`: PackedIds is final, and isinstance against a Sequence subclass runs
+    # ABCMeta's check)
+    if type(prompt) is PackedIds:  # packed at parse (scorer.body)
         return len(prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]
@@ -119,7 +122,7 @@ def is_token_id_prompt(body: Mapping[str, Any]) -> bool:
     Such a prompt needs no tokenizer: the ids are what the engine sees.
     """
     prompt = body.get("prompt")
-    if isinstance(prompt, PackedIds):  # packed at parse: never empty (scorer.body)
+    if type(prompt) is PackedIds:  # packed at parse: never empty (scorer.body; final)
         return "messages" not in body
     if not isinstance(prompt, list) or not prompt or "messages" in body:
         return False
@@ -245,6 +248,8 @@ class Tokenization:
         self._threads = tc.threads
         self.max_prompt_tokens = tc.max_prompt_tokens
         self.max_tokenize_bytes = tc.max_tokenize_bytes
+        # (bound once: a config model's attribute reads go through pydantic's __getattr__)
+        self._adapter_of = tc.adapter_of
 
     # -- lifecycle (app component) -------------------------------------------------------
     async def start(self) -> None:
@@ -334,7 +339,7 @@ class Tokenization:
         Raises `NoTokenizer`, `TokenizeError` or `PromptTooLarge` (token-id prompts are
         counted before hashing, text prompts after tokenizing).
         """
-        if not isinstance(body, Mapping):
+        if type(body) is not dict and not isinstance(body, Mapping):  # (dict: no ABC check)
             raise TokenizeError("the request body must be a JSON object")
         if model is None:
             m = body.get("model")
@@ -344,7 +349,7 @@ class Tokenization:
             raise NoTokenizer(f"no tokenizer for model {model!r}")
         base = self.base_model(model)
         if lora is None:
-            lora = self.config.tokens.adapter_of(model)
+            lora = self._adapter_of(model)
         if cache_salt is None:
             salt = body.get("cache_salt")
             if salt is not None and not isinstance(salt, str):
@@ -394,17 +399,9 @@ class Tokenization:
             n = cut.packed_bytes // (4 * hasher.block_size)
             state = PrefixState(cut.text, buf[: cut.packed_bytes], tuple(keys[:n]))
             self.prefixes.store(cut.space, state, cut.replaces)
+        # (positional, in field order: keywords cost a dict per call)
         return TokenizedPrompt(
-            hash_seconds=hash_seconds,
-            packed=buf,
-            block_keys=keys,
-            namespace=ns,
-            block_size=self.hasher.block_size,
-            model=base,
-            lora=lora,
-            cache_salt=cache_salt,
-            kind=kind,
-            stats=stats,
+            buf, keys, ns, hasher.block_size, base, lora, cache_salt, kind, stats, hash_seconds
         )
 
     def render(self, model: str | None, body: Mapping[str, Any]) -> str:
@@ -504,7 +501,7 @@ class Tokenization:
         ns: int,
         stats: dict[str, int],
     ) -> tuple[str, bytes, tuple[int, ...], _Cut | None]:
-        if isinstance(prompt, PackedIds):
+        if type(prompt) is PackedIds:  # (final)
             # Checked and packed at parse (scorer.body): only the count is left to check.
             if len(prompt) > self.max_prompt_tokens:
                 raise PromptTooLarge(self._tokens_message(len(prompt)))
@@ -589,26 +586,29 @@ class Tokenization:
         return typical <= INLINE_BUDGET_S and worst <= INLINE_MAX_STALL_S
 
     # -- RequestPreparer -------------------------------------------------------------------
-    def prepare_sync(self, request: RoutingRequest) -> None:
-        """Fill the request's token fields in the calling thread (see `prepare`)."""
-        t0 = time.perf_counter()
+    def prepare_sync(self, request: RoutingRequest) -> str | None:
+        """Fill the request's token fields in the calling thread (see `prepare`). Returns
+        the outcome (ok, no_tokenizer, error, over_budget; None without a body), which
+        `prepare` counts on the event loop."""
         body = request.body
         if body is None:
-            return
+            return None
         model = request.model if request.model is not None else body.get("model")
         if self.tokenizer_for(model) is None and not is_token_id_prompt(body):
-            _OUTCOME["no_tokenizer"].inc()
-            return  # token_ids stays None: the policy routes by load (no_tokenizer)
+            return "no_tokenizer"  # token_ids stays None: the policy routes by load
+        return self._fill(request, model, body)
+
+    def _fill(self, request: RoutingRequest, model: Any, body: Mapping[str, Any]) -> str:
+        """prepare_sync past its checks (a tokenizer, or token ids): the outcome."""
+        t0 = time.perf_counter()
         try:
             tp = self.tokenize_body(model, body, lora=request.lora, cache_salt=request.cache_salt)
         except PromptTooLarge as e:
             request.over_budget = str(e)
-            _OUTCOME["over_budget"].inc()
-            return
+            return "over_budget"
         except (TokenizeError, NoTokenizer) as e:
             request.tokenize_error = str(e)
-            _OUTCOME["error"].inc()
-            return
+            return "error"
         request.token_ids = ids_array(tp.packed)
         request.block_keys = tp.block_keys
         request.block_size = tp.block_size
@@ -617,11 +617,11 @@ class Tokenization:
             request.cache_salt = tp.cache_salt
         if request.lora is None:
             request.lora = tp.lora
-        _OUTCOME["ok"].inc()
         elapsed = time.perf_counter() - t0
         # Decision stages: render + encode, then hashing (the router reports both).
         request.stages["tokenize"] = elapsed - tp.hash_seconds
         request.stages["hash"] = tp.hash_seconds
+        return "ok"
 
     async def prepare(self, request: RoutingRequest) -> None:
         """Fill `token_ids`, `block_keys`, `block_size`, `prompt_tokens` off the event loop.
@@ -634,33 +634,33 @@ class Tokenization:
         body = request.body
         if body is None:
             return
+        model = request.model if request.model is not None else body.get("model")
         if is_token_id_prompt(body):
             n = _id_count(body)
             if n > self.max_prompt_tokens:
                 request.over_budget = self._tokens_message(n)
-                _OUTCOME["over_budget"].inc()
+                _OUTCOME["over_budget"].value += 1.0
                 return
             inline = n <= INLINE_MAX_IDS
-        elif (
-            self.tokenizer_for(request.model if request.model is not None else body.get("model"))
-            is None
-        ):
+        elif self.tokenizer_for(model) is None:
             # No tokenizer (and not ids): nothing to do but count it — the load fallback
-            # must cost no thread hop (prepare_sync returns before rendering anything).
-            self.prepare_sync(request)
+            # costs no thread hop and renders nothing.
+            _OUTCOME["no_tokenizer"].value += 1.0
             return
         elif request.body_bytes > self.max_tokenize_bytes:
             request.over_budget = self.bytes_message(request.body_bytes)
-            _OUTCOME["over_budget"].inc()
+            _OUTCOME["over_budget"].value += 1.0
             return
         else:
             inline = self.inline_text(request.model or body.get("model"), body, request.body_bytes)
+        # (past the checks above: a tokenizer or token ids, what prepare_sync checks first)
         if inline and "chat_template" not in body:  # request-supplied code: always off the loop
             # Cheap work: a thread-pool hop (~100-200 µs, more under load) would cost more.
-            self.prepare_sync(request)
+            outcome = self._fill(request, model, body)
         else:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor(), self.prepare_sync, request)
+            outcome = await loop.run_in_executor(self._executor(), self._fill, request, model, body)
+        _OUTCOME[outcome].value += 1.0
         if request.block_keys is not None:
             stages = request.stages
             TOKENIZE_SECONDS.observe(stages.get("tokenize", 0.0) + stages.get("hash", 0.0))

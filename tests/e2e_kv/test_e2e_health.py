@@ -49,12 +49,7 @@ def _sim_config(http_port: int, zmq_port: int) -> SimConfig:
 
 def _served(sim: SimWorker) -> float:
     """Requests the simulated engine finished (its vllm:request_success counter)."""
-    total = 0.0
-    for fam in sim.metrics.registry.collect():
-        for s in fam.samples:
-            if s.name == "vllm:request_success_total":
-                total += s.value
-    return total
+    return sim.metrics.value("vllm:request_success_total")
 
 
 @dataclass

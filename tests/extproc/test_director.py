@@ -9,13 +9,18 @@ import json
 
 import aiohttp
 import grpc
+import pytest
+from configs import make_config
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc_helpers import WORKERS, body_msg, headers_msg
 
 from scorer.api.v1 import scorer_pb2, scorer_pb2_grpc
-from scorer.director import Completion
+from scorer.director import Completion, Director
+from scorer.policy.base import PolicyContext, build_policy
 from scorer.policy.session import rendezvous
+from scorer.pool.workers import Pool
+from scorer.routing import RoutingRequest
 
 EOF_ = grpc.aio.EOF
 
@@ -156,3 +161,31 @@ async def test_body_over_limit_is_recorded_once(harness) -> None:
     assert err["code"] == "too_large"
     (d,) = h.app.decisions.query(limit=1, reason="too_large")
     assert d["request_id"] == "big" and d["status"] == 413
+
+
+class _PoolChangingPreparer:
+    """Stands in for the tokens stage: while a request is "tokenized", the pool loses
+    `gone` (as discovery may remove a worker during the thread-pool hop)."""
+
+    def __init__(self, pool: Pool, gone: str | None) -> None:
+        self.pool = pool
+        self.gone = gone
+
+    async def prepare(self, request: RoutingRequest) -> None:
+        if self.gone is not None:
+            self.pool.remove(self.gone, "deleted")
+
+
+@pytest.mark.parametrize("gone", [None, "127.0.0.1:9002"])
+async def test_a_worker_that_left_while_tokenizing_is_never_decided_for(gone: str | None) -> None:
+    eps = ["127.0.0.1:9001", "127.0.0.1:9002"]
+    cfg = make_config(eps, policy="kv")
+    pool = Pool.from_config(cfg)
+    policy = build_policy("kv", PolicyContext(pool=pool, config=cfg), {})
+    director = Director(cfg, pool, policy, preparer=_PoolChangingPreparer(pool, gone))
+    for i in range(4):  # the load decides (no tokens): every candidate gets picked in turn
+        req = director.new_request({":path": "/v1/completions", "x-request-id": f"r{i}"})
+        d = await director.request_received(req, completion())
+        shown = {row.endpoint for row in d.candidates}
+        assert shown == ({eps[0]} if gone else set(eps))
+        assert d.endpoint in shown

@@ -95,8 +95,8 @@ def test_gauges_set_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
 
         def counted() -> None:
             update()
-            seen.append((int(metrics.running._value.get()), int(metrics.waiting._value.get()),
-                         metrics.kv_usage._value.get()))  # fmt: skip
+            seen.append((int(metrics.running.value), int(metrics.waiting.value),
+                         metrics.kv_usage.value))  # fmt: skip
 
         monkeypatch.setattr(eng, "_update_gauges", counted)
         eng.start()

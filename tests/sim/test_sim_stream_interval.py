@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from prometheus_client import generate_latest
 
 from kvscorer_tools.sim import engine as engine_mod
 from kvscorer_tools.sim.engine import Engine, SimRequest
@@ -127,7 +126,7 @@ def run(monkeypatch: pytest.MonkeyPatch, interval: int) -> dict[str, Any]:
                 line.replace(f"m{interval}", "m").rsplit(" ", 1)[0]
                 if line.startswith("vllm:lora_requests_info{")
                 else line.replace(f"m{interval}", "m")
-                for line in generate_latest(metrics.registry).decode().splitlines()
+                for line in metrics.exposition().decode().splitlines()
                 if "_created" not in line
             ],
             "end": vt.now,

@@ -130,6 +130,10 @@ _AROUND = [
 @example(prompt='"t"', pad=True, dup=False, before='"a": {"prompt": [5, 6]}, ', after="")
 @example(prompt="[1]", pad=True, dup=False, before='"s": "x\\"prompt\\": [5]", ', after="")
 @example(
+    prompt="[1, 2]", pad=True, dup=False, before='"prompt": "text", ', after=""
+)  # a string-valued "prompt" first: the packed path declines, the reference decodes
+@example(prompt='"t1 t2"', pad=True, dup=False, before="", after="")  # a text prompt
+@example(
     prompt="7952834521136472161", pad=True, dup=False, before='"a": {"prompt": [5]}, ', after=""
 )
 def test_packed_prompt_is_the_reference(

@@ -106,22 +106,23 @@ def test_allowed_request_template_renders(trusting: Tokenization) -> None:
 
 
 def _loop_thread_ids(tokens: Tokenization, body: dict[str, Any], prompt_tokens: int) -> set[int]:
-    """Threads the tokens stage ran in for `body` (recorded around prepare_sync)."""
+    """Threads the tokens stage ran in for `body` (recorded around `_fill`, the work that
+    `prepare` runs inline or in the pool)."""
     seen: set[int] = set()
-    real = tokens.prepare_sync
+    real = tokens._fill
 
-    def spy(request: RoutingRequest) -> None:
+    def spy(request: RoutingRequest, model: Any, doc: Any) -> str:
         seen.add(threading.get_ident())
-        real(request)
+        return real(request, model, doc)
 
-    tokens.prepare_sync = spy  # type: ignore[method-assign]
+    tokens._fill = spy  # type: ignore[method-assign]
     try:
         req = RoutingRequest(request_id="t", model="qwen3", body=body)
         req.prompt_tokens = prompt_tokens
         run_on_default_loop(tokens.prepare(req))
         assert req.token_ids is not None or req.tokenize_error is not None
     finally:
-        del tokens.prepare_sync
+        del tokens._fill
     return seen
 
 

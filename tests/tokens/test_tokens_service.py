@@ -410,20 +410,20 @@ def test_text_prompts_go_inline_by_measured_cost(monkeypatch: pytest.MonkeyPatch
 
     def threads(body: dict[str, Any]) -> set[int]:
         seen: set[int] = set()
-        real = t.prepare_sync
+        real = t._fill  # the work prepare runs inline or in the pool
 
-        def spy(request: RoutingRequest) -> None:
+        def spy(request: RoutingRequest, model: Any, doc: Any) -> str:
             seen.add(threading.get_ident())
-            real(request)
+            return real(request, model, doc)
 
-        t.prepare_sync = spy  # type: ignore[method-assign]
+        t._fill = spy  # type: ignore[method-assign]
         try:
             req = RoutingRequest(request_id="t", model="qwen3", body=body)
             req.body_bytes = len(str(body))
             run_on_default_loop(t.prepare(req))
             assert req.token_ids is not None
         finally:
-            del t.prepare_sync
+            del t._fill
         return seen
 
     try:
@@ -442,3 +442,40 @@ def test_text_prompts_go_inline_by_measured_cost(monkeypatch: pytest.MonkeyPatch
         assert not t.inline_text("qwen3", {"prompt": "x"}, 0)  # size unknown
     finally:
         t.close()
+
+
+def test_prepare_counts_each_outcome_once() -> None:
+    """kv_scorer_tokenize_requests_total: one outcome per prepared request, counted by
+    prepare on the event loop (prepare_sync returns it)."""
+    from prometheus_client import REGISTRY
+
+    def counts() -> dict[str, float]:
+        return {
+            o: REGISTRY.get_sample_value("kv_scorer_tokenize_requests_total", {"outcome": o}) or 0.0
+            for o in ("ok", "no_tokenizer", "error", "over_budget")
+        }
+
+    t = Tokenization(make_config(), BlockHasher(16))  # no tokenizer for model "m"
+    t.max_prompt_tokens = 3
+    cases = [
+        ({"model": "m", "prompt": "some text"}, "no_tokenizer"),
+        ({"model": "m", "prompt": [1, 2, 3]}, "ok"),
+        ({"model": "m", "prompt": [1, 2, 3, 4]}, "over_budget"),  # counted before hashing
+        ({"model": "m", "prompt": [1, 2**32]}, "error"),
+    ]
+    for body, outcome in cases:
+        before = counts()
+        req = RoutingRequest(request_id="c", model="m", body=body)
+        run_on_default_loop(t.prepare(req))
+        after = counts()
+        assert {o: after[o] - before[o] for o in after} == {
+            o: 1.0 if o == outcome else 0.0 for o in after
+        }, body
+        assert (req.block_keys is not None) == (outcome == "ok")
+    # prepare_sync (the same checks, in the calling thread) returns the outcome uncounted.
+    before = counts()
+    assert t.prepare_sync(RoutingRequest(request_id="s", model="m", body=cases[0][0])) == (
+        "no_tokenizer"
+    )
+    assert t.prepare_sync(RoutingRequest(request_id="s", model="m", body=cases[1][0])) == "ok"
+    assert counts() == before

@@ -151,6 +151,12 @@ def register(subparsers: Any) -> None:
         default=256,
         help="e2e: most requests in flight from the load generator",
     )
+    p.add_argument(
+        "--envoy-concurrency",
+        type=int,
+        default=1,
+        help="e2e: Envoy's worker threads in front of our scorer (its --concurrency)",
+    )
     p.set_defaults(func=run)
 
 
@@ -202,6 +208,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "policy_options": args.policy_options,
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
+        "envoy_concurrency": args.envoy_concurrency,
         "repeats": args.repeats,
         "workload_params": parse_params(args.param),
         "trace": args.trace,
@@ -301,6 +308,7 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
             sim_nice=args.sim_nice,
             seed=args.seed,
             concurrency=args.concurrency,
+            envoy_concurrency=args.envoy_concurrency,
             policy_options=args.policy_options,
             run_dir=out / "run" / f"cap-{cap or 'unbounded'}",
         )

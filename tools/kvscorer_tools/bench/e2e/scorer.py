@@ -150,7 +150,10 @@ class ScorerRun:
         # (skipping the history before the fleet's reset) before any request is sent, so
         # no sync of an earlier run's events overlaps the run.
         wait_until(self.streams_synced, timeout_s, f"scorer-{self.policy} event syncs", self.scorer)
-        self.envoy = EnvoyProcess(envoy_config(self.settings, self.fleet, extproc))
+        self.envoy = EnvoyProcess(
+            envoy_config(self.settings, self.fleet, extproc),
+            concurrency=self.settings.envoy_concurrency,
+        )
         self.envoy.start()
         if self.envoy.proc is not None:
             self.group.record(self.envoy.proc.pid, f"envoy-{self.policy}")

@@ -46,6 +46,9 @@ class E2ESettings:
     max_model_len: int = 262144  # Mooncake prompts reach 126k tokens
     seed: int = 0
     concurrency: int = 256
+    # Envoy's worker threads in front of our scorer (`--concurrency`; Envoy's own default is
+    # one per hardware thread, gateways size it from the pod's CPU).
+    envoy_concurrency: int = 1
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     run_dir: Path = field(default_factory=lambda: Path("bench/out/e2e-run"))
     request_timeout_s: float = 600.0
