@@ -214,10 +214,9 @@ class Reader:
                     self._schedule()  # more is queued: the loop's other callbacks first
                     return
         except Exception as e:  # the socket failed (or a handler raised): the caller's
-            done = self._done
+            if self._done is not None and not self._done.done():
+                self._done.set_exception(e)
             self.close()  # nothing more is read (or handled) from this reader
-            if done is not None and not done.done():
-                done.set_exception(e)
 
 
 @dataclass(slots=True)
