@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
-from scorer.policy.cost import BusyOptions, CostTable, LoadTable, load_table
+from scorer.policy.cost import BusyRule, CostTable, LoadTable, load_table
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.routing import Reason, RoutingRequest
 
@@ -85,8 +85,8 @@ class Cycle:
     # The index lookup the explanation rows show (the first cache scorer's; assigned,
     # never changed in place: the default is one shared empty mapping).
     shown_matches: Mapping[str, MatchLike]
-    # Busy thresholds applied while building the load table (the profile's busy filter).
-    busy: BusyOptions | None
+    # Busy thresholds applied while building the load table (the profile's busy filter's).
+    busy: BusyRule | None
     stale_any: bool  # a cost row's credit was cut for a stale event stream
     # Every candidate's load terms (load_table with `busy`, as of the construction).
     load: LoadTable
@@ -108,7 +108,7 @@ class Cycle:
         all_filtered: bool = False,
         cost: CostTable | None = None,
         shown_matches: Mapping[str, MatchLike] = NO_MATCHES,
-        busy: BusyOptions | None = None,
+        busy: BusyRule | None = None,
         stale_any: bool = False,
     ) -> None:
         self.request = request

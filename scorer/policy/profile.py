@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
-from scorer.policy.cost import BusyOptions, CostTable, LoadTable
+from scorer.policy.cost import CostTable, LoadTable
+from scorer.policy.filters.busy import BusyFilter
 from scorer.policy.parts import MatchLike
 from scorer.policy.plugin import NO_MATCHES, Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
@@ -156,9 +157,7 @@ class Profile(Policy):
         self._plain = len(self.scorers) == 1 and self.weights[0] == 1.0
         self._shedders = [f for f in self.filters if f.sheds()]
         # The first busy filter's thresholds are applied while the load table is built.
-        self._busy = next(
-            (f.options for f in self.filters if isinstance(f.options, BusyOptions)), None
-        )
+        self._busy = next((f.rule for f in self.filters if isinstance(f, BusyFilter)), None)
         # The plugins with a commit of their own (the base class's does nothing).
         self._committers = [p for p in self.plugins if type(p).commit is not Plugin.commit]
         # Per-decision constants, read once (an attribute of a config model goes through
