@@ -1111,6 +1111,135 @@ def cost_column(list pf, list dc, list credit, list weighted, list held, double 
     return out
 
 
+cdef double _f(object x) except? -1.0:
+    # A column's number as the reference's arithmetic converts it (float, or int exactly).
+    return <double>x
+
+
+def cost_core(list cands, list eps, list pf, list dc, matches, double rb, double decay,
+              stale, double sc, double dup_opt, bint new_session, double pls, waiting,
+              double cap):
+    """`dynamo_costs`' columns from the index lookup to the costs, and the step-sharing
+    blocks, for the common case (no medium_credit, no block life): the Python code in
+    scorer.policy.cost is the reference (`native=False`), op for op and object for object
+    (the matches, weights and held overlaps are the same objects; a comparison between
+    objects is Python's). `matches`: a dict or None (empty); `waiting`: the scraped queue
+    column when step sharing is on (else None). Returns (ms, any_match, credit, stale
+    flags, stale_any, weighted, dup, held, best, costs, share)."""
+    cdef Py_ssize_t n = len(pf), k
+    if len(dc) != n or len(cands) != n or len(eps) != n:
+        raise ValueError("cost columns differ in length")
+    cdef list ms = [None] * n
+    cdef bint any_match = False
+    cdef object m
+    if matches is not None:
+        if type(matches) is not dict:
+            raise TypeError("matches must be a dict")
+        for k in range(n):
+            m = (<dict>matches).get(eps[k])
+            if m is not None:
+                ms[k] = m
+                any_match = True
+    # Credit: decay_credit's column, or 1.0 each.
+    cdef list credit
+    cdef double lm, x, unit, one = 1.0
+    if decay > 0.0:
+        if n == 0:
+            raise ValueError("min() iterable argument is empty")
+        lm = _f(pf[0]) + _f(dc[0])
+        for k in range(1, n):
+            x = _f(pf[k]) + _f(dc[k])
+            if x < lm:
+                lm = x
+        unit = lm
+        if rb > unit:
+            unit = rb
+        if 1.0 > unit:
+            unit = 1.0
+        credit = [None] * n
+        for k in range(n):
+            x = _f(pf[k]) + _f(dc[k])
+            credit[k] = one / (one + decay * (x - lm) / unit) if x > lm else one
+    else:
+        credit = [1.0] * n
+    # Stale streams: the flags as `stale` returns them, their credit cut.
+    cdef object flags = None
+    cdef bint stale_any = False
+    cdef list fl
+    cdef object f
+    if stale is not None and any_match:
+        fl = [None] * n
+        for k in range(n):
+            m = ms[k]
+            f = False if m is None else stale(cands[k])
+            fl[k] = f
+            if not stale_any and (f is True or f == True):  # (`True in flags`)
+                stale_any = True
+        flags = fl
+        if stale_any:
+            for k in range(n):
+                if fl[k]:
+                    credit[k] = _f(credit[k]) * sc
+    cdef list weighted = [None] * n
+    for k in range(n):
+        m = ms[k]
+        weighted[k] = 0.0 if m is None else m.weighted
+    # Duplicate term: held overlap (a stale stream's cut too), the best of it.
+    cdef double dup = dup_opt
+    if not any_match or new_session:
+        dup = 0.0
+    cdef list held = weighted
+    cdef object best = 0.0, h, top
+    if dup > 0.0:
+        if stale_any:
+            held = [None] * n
+            for k in range(n):
+                h = weighted[k]
+                held[k] = _f(h) * sc if fl[k] else h
+        best = held[0]
+        for k in range(n):
+            h = held[k]
+            if h > best:
+                best = h
+        if best <= 0.0:
+            top = None
+            for k in range(n):
+                if ms[k] is not None and (top is None or held[k] > top):
+                    top = held[k]
+            best = top
+    # The cost column (cost_column's arithmetic).
+    cdef double b = _f(best), p
+    cdef list costs = [None] * n
+    for k in range(n):
+        p = _f(pf[k]) + rb - _f(credit[k]) * _f(weighted[k])
+        if not p > 0.0:
+            p = 0.0
+        costs[k] = pls * p + _f(dc[k]) + rb + dup * (b - _f(held[k]))
+    # Step sharing's blocks (cost._share_term).
+    cdef object share = None
+    cdef list sh
+    cdef double r, wq, u, q
+    if waiting is not None:
+        if len(waiting) != n:
+            raise ValueError("cost columns differ in length")
+        sh = [None] * n
+        for k in range(n):
+            r = _f(cands[k].inflight.prefill_requests)
+            wq = _f(waiting[k])
+            if wq > r:
+                r = wq
+            u = rb - _f(credit[k]) * _f(weighted[k])
+            if r > 0.0 and u > 0.0:
+                q = _f(pf[k])
+                if q > cap:
+                    r = r * cap / q
+                sh[k] = r * (u if u < cap else cap)
+            else:
+                sh[k] = 0.0
+        share = sh
+    return ms, any_match, credit, flags, stale_any, weighted, dup, held, best, costs, share
+
+
 # -- The index match (scorer.index.masks.depths and BlockIndex.match's gathering are the
 # reference) ------------------------------------------------------------------------------
 #

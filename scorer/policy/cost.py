@@ -667,6 +667,88 @@ def dynamo_costs(
         dc = [dcs[i] for i in eligible]
         cands = [candidates[i] for i in eligible]
         eps = [endpoints[i] for i in eligible]
+    life = fleet.life if fleet is not None else None
+    share_on = p.step_share > 0.0 and n > 1
+    if (
+        nat is not None
+        and p.medium_credit is None
+        and not life
+        and type(matches) is dict
+        and type(cands) is list
+        and type(eps) is list
+    ):
+        # The columns from the lookup to the costs (and the step-sharing blocks) in one
+        # compiled pass: the code below, object for object and op for op.
+        ms, any_match, credit, stale_flags, stale_any, weighted, dup, held, best, costs, share = (
+            nat.cost_core(
+                cands,
+                eps,
+                pf,
+                dc,
+                matches if matches else None,
+                rb,
+                p.credit_decay,
+                stale,
+                p.stale_credit,
+                p.duplicate_cost,
+                fleet is not None and fleet.sessions is not None,
+                p.prefill_load_scale,
+                (table.waiting if every else [table.waiting[i] for i in eligible])
+                if share_on
+                else None,
+                p.step_budget_tokens / block_size if block_size > 0 else math.inf,
+            )
+        )
+        out = CostTable(eligible, costs, ms, weighted, credit, stale_flags, stale_any, pf, rb)
+        out.every = every
+        if dup > 0.0:
+            out.best_held, out.held = best, held
+        out.share = share
+    else:
+        out, dup, any_match = _columns(
+            p, nat, cands, eps, eligible, every, pf, dc, table, matches, rb, stale, fleet, life,
+            share_on, block_size,
+        )  # fmt: skip
+    if fleet is not None:
+        _fleet_terms(out, dc, p, fleet, dup)
+        if (
+            p.shared_copy > 0.0
+            and fleet.sessions is not None
+            and fleet.left is None
+            and any_match
+            and n > 1
+        ):
+            _copy_term(out, p, fleet.session_turns)
+    elif out.share is not None:
+        _add_prefill_blocks(out, p, p.step_share, out.share)
+    if p.queue_weight > 0.0 and n > 1:
+        _queue_term(out, p)
+    return out
+
+
+def _columns(
+    p: CostParams,
+    nat: Any,
+    cands: Sequence[Worker],
+    eps: Sequence[str],
+    eligible: Sequence[int],
+    every: bool,
+    pf: list[float],
+    dc: list[float],
+    table: LoadTable,
+    matches: Mapping[str, MatchLike],
+    rb: float,
+    stale: Callable[[Worker], bool] | None,
+    fleet: FleetInputs | None,
+    life: dict[int, tuple[float, float | None, float | None, float]] | None,
+    share_on: bool,
+    block_size: int,
+) -> tuple[CostTable, float, bool]:
+    """dynamo_costs' columns from the index lookup to the costs and the step-sharing
+    blocks (the reference of the compiled `cost_core`, and the path of the options it
+    leaves out: medium_credit, block life). Returns the table, the duplicate term's
+    weight and whether an eligible candidate has a cached prefix."""
+    n = len(eps)
     ms: list[MatchLike | None]
     if matches:
         ms = list(map(matches.get, eps))
@@ -707,7 +789,6 @@ def dynamo_costs(
         stale_any = True in stale_flags
         if stale_any:
             credit = [c * sc if s else c for c, s in zip(credit, stale_flags, strict=True)]
-    life = fleet.life if fleet is not None else None
     if life:
         pos = range(n) if every else {c: k for k, c in enumerate(eligible)}
         for i, got in life.items():
@@ -771,24 +852,10 @@ def dynamo_costs(
             pls * (q if (q := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
             for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
         ]
-    if p.step_share > 0.0 and n > 1:
+    if share_on:
         wq = table.waiting if every else [table.waiting[i] for i in eligible]
         _share_term(out, p, cands, wq, block_size)
-    if fleet is not None:
-        _fleet_terms(out, dc, p, fleet, dup)
-        if (
-            p.shared_copy > 0.0
-            and fleet.sessions is not None
-            and fleet.left is None
-            and any_match
-            and n > 1
-        ):
-            _copy_term(out, p, fleet.session_turns)
-    elif out.share is not None:
-        _add_prefill_blocks(out, p, p.step_share, out.share)
-    if p.queue_weight > 0.0 and n > 1:
-        _queue_term(out, p)
-    return out
+    return out, dup, any_match
 
 
 def _share_term(
