@@ -320,6 +320,8 @@ def _grid(limit: int = 1 << 24) -> tuple[int, ...]:
 
 
 _GRID = _grid()
+# _GRID[:j] deepest first, per j (a lookup's positions below its prompt's end, in order).
+_DOWN = tuple(tuple(reversed(_GRID[:j])) for j in range(len(_GRID) + 1))
 
 
 class Conversations:
@@ -345,11 +347,10 @@ class Conversations:
         n = len(keys)
         anchors = self._anchors
         latest = self._latest
-        j = bisect_right(_GRID, n - 2)  # (a previous prompt is at most n - 1 blocks)
         looked = 0
-        while j > 0:
-            j -= 1
-            b = anchors.get(keys[_GRID[j]])
+        # (a previous prompt is at most n - 1 blocks)
+        for g in _DOWN[bisect_right(_GRID, n - 2)]:
+            b = anchors.get(keys[g])
             if b is None:
                 continue
             for tip, m, conv in reversed(b):

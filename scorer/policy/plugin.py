@@ -48,6 +48,8 @@ class Cycle:
     """
 
     __slots__ = (
+        "_last_got",
+        "_last_index",
         "_matches",
         "all_filtered",
         "block_size",
@@ -93,6 +95,9 @@ class Cycle:
     # The candidates' endpoints (parallel to `candidates`).
     endpoints: list[str]
     _matches: dict[int, Mapping[str, MatchLike]] | None
+    # The last index looked up and its answer (a decision asks the same index 3-4 times).
+    _last_index: IndexLike | None
+    _last_got: Mapping[str, MatchLike]
 
     def __init__(
         self,
@@ -128,9 +133,13 @@ class Cycle:
         self.load = load_table(candidates, now, stale_after_s, waiting_request_blocks, busy)
         self.endpoints = list(map(_endpoint, candidates))
         self._matches = None
+        self._last_index = None  # (index None: NO_MATCHES, as below)
+        self._last_got = NO_MATCHES
 
     def matches(self, index: IndexLike | None) -> Mapping[str, MatchLike]:
         """Each candidate's cached prefix in `index` (one lookup per index per decision)."""
+        if index is self._last_index:
+            return self._last_got
         keys = self.request.block_keys
         if index is None or not keys:
             return NO_MATCHES
@@ -140,6 +149,7 @@ class Cycle:
         got = cache.get(id(index))
         if got is None:
             got = cache[id(index)] = index.match(keys, self.endpoints)
+        self._last_index, self._last_got = index, got
         return got
 
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
@@ -163,7 +164,18 @@ class Profile(Policy):
         # Per-decision constants, read once (an attribute of a config model goes through
         # pydantic's __getattr__ hook, ~350 instructions a read).
         self._block_size = ctx.config.pool.block_size
+        self._ranges: dict[int, list[int]] = {}
         self._stale_after_s = ctx.config.load.stale_after_s
+
+    def _everyone(self, n: int) -> list[int]:
+        """[0, ..., n - 1], a new list (range() costs ~1,400 instructions; a copy of one kept
+        per fleet size ~150)."""
+        got = self._ranges.get(n)
+        if got is None:
+            if len(self._ranges) > 64:
+                self._ranges.clear()  # (bounded: fleet sizes seen lately)
+            got = self._ranges[n] = list(range(n))
+        return got[:]
 
     def plugin(self, name: str) -> Plugin | None:
         """This profile's plugin named `name` (first match), for tests and tools."""
@@ -205,7 +217,7 @@ class Profile(Policy):
             f.filter(cycle)
         filtered = cycle.filtered
         # (A filtered candidate's entry is its reason, a non-empty string.)
-        eligible = _kept(filtered) if any(filtered) else [*range(n)]
+        eligible = _kept(filtered) if any(filtered) else self._everyone(n)
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
@@ -252,9 +264,7 @@ class Profile(Policy):
             reason, notes = self._reason(cycle, win, win_blocks)
         # The rows are built when first read (/debug/decisions, the Score RPC), from this
         # decision's numbers: in-flight counts as they are now, before the commit.
-        rows = explanation_rows(
-            cycle, costs if scorers else None, [w.inflight.requests for w in candidates]
-        )
+        rows = explanation_rows(cycle, costs if scorers else None, _requests(candidates))
         if not request.dry_run:
             for plug in self._committers:
                 plug.commit(cycle, win)
@@ -331,9 +341,12 @@ def _fallbacks(order: list[int], j: int, eps: list[str], eligible: list[int], k:
     return [eps[eligible[i]] for i in rest[:k]]
 
 
+_inflight_requests = attrgetter("inflight.requests")
+
+
 def _requests(candidates: Sequence[Worker]) -> list[int]:
     """Each candidate's in-flight requests now (the rows show them as decided)."""
-    return [w.inflight.requests for w in candidates]
+    return list(map(_inflight_requests, candidates))
 
 
 def _held_blocks(cycle: Cycle, i: int) -> int:
