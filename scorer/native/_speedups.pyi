@@ -88,6 +88,8 @@ def cost_core(
     pls: float,
     waiting: list[float] | None,
     cap: float,
+    add_share: bool,
+    step_share: float,
 ) -> tuple[
     list[Any],
     bool,

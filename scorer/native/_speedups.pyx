@@ -1118,14 +1118,16 @@ cdef double _f(object x) except? -1.0:
 
 def cost_core(list cands, list eps, list pf, list dc, matches, double rb, double decay,
               stale, double sc, double dup_opt, bint new_session, double pls, waiting,
-              double cap):
+              double cap, bint add_share, double step_share):
     """`dynamo_costs`' columns from the index lookup to the costs, and the step-sharing
     blocks, for the common case (no medium_credit, no block life): the Python code in
     scorer.policy.cost is the reference (`native=False`), op for op and object for object
     (the matches, weights and held overlaps are the same objects; a comparison between
     objects is Python's). `matches`: a dict or None (empty); `waiting`: the scraped queue
-    column when step sharing is on (else None). Returns (ms, any_match, credit, stale
-    flags, stale_any, weighted, dup, held, best, costs, share)."""
+    column when step sharing is on (else None); `add_share`: the step-sharing blocks are
+    also added to the costs (`_add_prefill_blocks` at step_share x pls: the blocks unit).
+    Returns (ms, any_match, credit, stale flags, stale_any, weighted, dup, held, best,
+    costs, share)."""
     cdef Py_ssize_t n = len(pf), k
     if len(dc) != n or len(cands) != n or len(eps) != n:
         raise ValueError("cost columns differ in length")
@@ -1215,10 +1217,11 @@ def cost_core(list cands, list eps, list pf, list dc, matches, double rb, double
         if not p > 0.0:
             p = 0.0
         costs[k] = pls * p + _f(dc[k]) + rb + dup * (b - _f(held[k]))
-    # Step sharing's blocks (cost._share_term).
+    # Step sharing's blocks (cost._share_term), and (add_share) on the costs at
+    # step_share x pls (cost._add_prefill_blocks).
     cdef object share = None
     cdef list sh
-    cdef double r, wq, u, q
+    cdef double r, wq, u, q, x2, w2 = step_share * pls
     if waiting is not None:
         if len(waiting) != n:
             raise ValueError("cost columns differ in length")
@@ -1233,7 +1236,10 @@ def cost_core(list cands, list eps, list pf, list dc, matches, double rb, double
                 q = _f(pf[k])
                 if q > cap:
                     r = r * cap / q
-                sh[k] = r * (u if u < cap else cap)
+                x2 = r * (u if u < cap else cap)
+                sh[k] = x2
+                if add_share and x2 > 0.0:
+                    costs[k] = <double>costs[k] + w2 * x2
             else:
                 sh[k] = 0.0
         share = sh

@@ -669,6 +669,9 @@ def dynamo_costs(
         eps = [endpoints[i] for i in eligible]
     life = fleet.life if fleet is not None else None
     share_on = p.step_share > 0.0 and n > 1
+    # The step-sharing blocks go on the costs right after the cost column in the blocks
+    # unit (with or without the fleet terms): the compiled pass adds them there.
+    added = False
     if (
         nat is not None
         and p.medium_credit is None
@@ -679,6 +682,7 @@ def dynamo_costs(
     ):
         # The columns from the lookup to the costs (and the step-sharing blocks) in one
         # compiled pass: the code below, object for object and op for op.
+        added = share_on and p.unit != "ms"
         ms, any_match, credit, stale_flags, stale_any, weighted, dup, held, best, costs, share = (
             nat.cost_core(
                 cands,
@@ -697,6 +701,8 @@ def dynamo_costs(
                 if share_on
                 else None,
                 p.step_budget_tokens / block_size if block_size > 0 else math.inf,
+                added,
+                p.step_share,
             )
         )
         out = CostTable(eligible, costs, ms, weighted, credit, stale_flags, stale_any, pf, rb)
@@ -710,7 +716,7 @@ def dynamo_costs(
             share_on, block_size,
         )  # fmt: skip
     if fleet is not None:
-        _fleet_terms(out, dc, p, fleet, dup)
+        _fleet_terms(out, dc, p, fleet, dup, added)
         if (
             p.shared_copy > 0.0
             and fleet.sessions is not None
@@ -719,7 +725,7 @@ def dynamo_costs(
             and n > 1
         ):
             _copy_term(out, p, fleet.session_turns)
-    elif out.share is not None:
+    elif out.share is not None and not added:
         _add_prefill_blocks(out, p, p.step_share, out.share)
     if p.queue_weight > 0.0 and n > 1:
         _queue_term(out, p)
@@ -943,9 +949,15 @@ def _add_prefill_blocks(
 
 
 def _fleet_terms(
-    out: CostTable, dc: Sequence[float], p: CostParams, fleet: FleetInputs, dup: float
+    out: CostTable,
+    dc: Sequence[float],
+    p: CostParams,
+    fleet: FleetInputs,
+    dup: float,
+    added: bool = False,
 ) -> None:
-    """The ms unit (predicted TTFT), continuity and session spread, on `out.costs`."""
+    """The ms unit (predicted TTFT), continuity and session spread, on `out.costs`
+    (`added`: the step-sharing blocks are on them already, as this would add them)."""
     costs = out.costs
     if p.unit == "ms":
         pls = p.prefill_load_scale
@@ -965,7 +977,7 @@ def _fleet_terms(
             t + dms * (d + rb) + per_block * x for t, d, x in zip(ttft, dc, dup_cost, strict=True)
         ]
         out.ttft = ttft
-    if out.share is not None:
+    if out.share is not None and not added:
         # Step sharing, before continuity and the spreads: the previous turn's worker gets
         # the discount on it too, and a new conversation's spread scales it (docs/policy.md
         # "Step sharing": added after them it placed new prompts among the conversations

@@ -203,13 +203,13 @@ def test_native_columns_refuse_what_the_reference_refuses() -> None:
     # with credit decay (min() of nothing), matches that are not a dict.
     args: list[Any] = [[None], ["a"], [1.0], [1.0], None, 1.0, 0.1, None, 1.0, 0.0, False]
     with pytest.raises(ValueError):
-        NATIVE.cost_core([None], ["a"], [1.0], [], *args[4:], 1.0, None, 1.0)
+        NATIVE.cost_core([None], ["a"], [1.0], [], *args[4:], 1.0, None, 1.0, False, 0.0)
     with pytest.raises(ValueError):
-        NATIVE.cost_core(*args, 1.0, [], 1.0)
+        NATIVE.cost_core(*args, 1.0, [], 1.0, False, 0.0)
     with pytest.raises(ValueError):
-        NATIVE.cost_core([], [], [], [], *args[4:], 1.0, None, 1.0)
+        NATIVE.cost_core([], [], [], [], *args[4:], 1.0, None, 1.0, False, 0.0)
     with pytest.raises(TypeError):
-        NATIVE.cost_core(*args[:4], [("a", 1)], *args[5:], 1.0, None, 1.0)
+        NATIVE.cost_core(*args[:4], [("a", 1)], *args[5:], 1.0, None, 1.0, False, 0.0)
 
 
 @settings(max_examples=scaled(100))
