@@ -1246,6 +1246,59 @@ def cost_core(list cands, list eps, list pf, list dc, matches, double rb, double
     return ms, any_match, credit, flags, stale_any, weighted, dup, held, best, costs, share
 
 
+def pick_lowest(list costs, tiebreak, rng, random_type):
+    """`scorer.policy.cost.pick` at temperature 0 (its Python code is the reference):
+    the lowest cost's position, or among the costs within 1e-9 of it the lowest
+    `tiebreak(i)` key, then `rng`'s draw (Random.choice's, inlined for `random_type`
+    itself). Every comparison and operation is the reference's on the same objects."""
+    cdef Py_ssize_t n = len(costs), k, j = 0, m, bits
+    if n == 1:
+        return 0
+    if n == 0:
+        raise IndexError("list index out of range")  # (costs[0], unchecked here)
+    c_min = costs[0]
+    for k in range(n):
+        c = costs[k]
+        if c < c_min:
+            c_min = c
+            j = k
+    a = c_min if c_min >= 0.0 else -c_min
+    limit = c_min + 1e-9 * (a if a > 1.0 else 1.0)
+    other = None
+    for k in range(n):
+        c = costs[k]
+        if k != j and (other is None or c < other):
+            other = c
+    if other is not None and other > limit:
+        return j
+    cdef list tied = [], keys = [], won = []
+    for k in range(n):
+        if costs[k] <= limit:
+            tied.append(k)
+            keys.append(tiebreak(k))
+    if not keys:
+        raise ValueError("min() arg is an empty sequence")
+    best = keys[0]
+    for key in keys:
+        if key < best:
+            best = key
+    for k in range(len(keys)):
+        if keys[k] == best:
+            won.append(tied[k])
+    m = len(won)
+    if m == 1:
+        return won[0]
+    if type(rng) is random_type:
+        bits = 0
+        while (m >> bits) != 0:
+            bits += 1
+        r = rng.getrandbits(bits)
+        while r >= m:
+            r = rng.getrandbits(bits)
+        return won[r]
+    return rng.choice(won)
+
+
 # -- The index match (scorer.index.masks.depths and BlockIndex.match's gathering are the
 # reference) ------------------------------------------------------------------------------
 #

@@ -1037,14 +1037,19 @@ def pick(
     tiebreak: Callable[[int], tuple[float, ...]],
     temperature: float,
     rng: random.Random,
+    native: bool = True,
 ) -> int:
     """Index of the winner: lowest cost, then least load, then random; or softmax sampling.
 
     `tiebreak(i)` is candidate i's tie-break key (e.g. load in blocks, in-flight
     requests); it is only asked for when costs tie. (Loops, not `min` / `max` and
     comprehensions: the same comparisons, in the same order, without a builtin's keyword
-    parsing or a comprehension's frame at a handful of candidates.)
+    parsing or a comprehension's frame at a handful of candidates.) At temperature 0 the
+    compiled `pick_lowest` runs this code when built (`native=False`: this code).
     """
+    if native and _NATIVE_COST is not None and not temperature > 0.0 and type(costs) is list:
+        lowest: int = _NATIVE_COST.pick_lowest(costs, tiebreak, rng, random.Random)
+        return lowest
     n = len(costs)
     if n == 1:
         return 0

@@ -77,19 +77,25 @@ def _pick_reference(
 def test_pick_is_the_builtins_pick(
     costs: list[float], loads: list[tuple[float, int]], temperature: float, seed: int
 ) -> None:
-    a, b = random.Random(seed), random.Random(seed)
-    got: int | type[Exception]
-    want: int | type[Exception]
-    try:
-        got = pick(costs, loads.__getitem__, temperature, a)
-    except ValueError as e:  # (a NaN lowest cost: min() of nothing tied)
-        got = type(e)
-    try:
-        want = _pick_reference(costs, loads.__getitem__, temperature, b)
-    except ValueError as e:
-        want = type(e)
-    assert got == want
-    assert a.getstate() == b.getstate()  # the same draws: later decisions stay the same
+    # The compiled pick (temperature 0), the Python one, the builtins' one: the same winner
+    # and the same draws (later decisions stay the same).
+    rngs = [random.Random(seed) for _ in range(3)]
+    out: list[int | type[Exception]] = []
+    for run, rng in zip(
+        (
+            lambda r: pick(costs, loads.__getitem__, temperature, r),
+            lambda r: pick(costs, loads.__getitem__, temperature, r, native=False),
+            lambda r: _pick_reference(costs, loads.__getitem__, temperature, r),
+        ),
+        rngs,
+        strict=True,
+    ):
+        try:
+            out.append(run(rng))
+        except ValueError as e:  # (a NaN lowest cost: min() of nothing tied)
+            out.append(type(e))
+    assert out[0] == out[1] == out[2]
+    assert rngs[0].getstate() == rngs[1].getstate() == rngs[2].getstate()
 
 
 class _Counted(random.Random):
@@ -102,10 +108,19 @@ class _Counted(random.Random):
         return seq[-1]
 
 
-def test_pick_calls_a_subclass_choice() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_pick_calls_a_subclass_choice(native: bool) -> None:
     rng = _Counted(1)
-    assert pick([2.0, 2.0, 2.0], lambda i: (), 0.0, rng) == 2
+    assert pick([2.0, 2.0, 2.0], lambda i: (), 0.0, rng, native) == 2
     assert rng.chosen == 1
+
+
+def test_pick_refuses_what_the_reference_refuses() -> None:
+    for native in (True, False):
+        with pytest.raises(IndexError):
+            pick([], lambda i: (), 0.0, random.Random(1), native)
+        with pytest.raises(ValueError):  # a NaN lowest cost ties nothing
+            pick([math.nan, 1.0], lambda i: (), 0.0, random.Random(1), native)
 
 
 def _minmax(x: float, lo: float, hi: float) -> float:
