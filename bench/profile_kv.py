@@ -3,8 +3,8 @@
     .venv/bin/python bench/profile_kv.py [--iterations 3000] [--profile] [--case kv:no:ids]
 
 A loop of requests through scorer.director.Director exactly as the data path drives it
-(new_request → request_received(body) → response_ended), 2 workers, the bodies of
-bench/bench_overhead.py (288-token completions, token ids and text). Cases:
+(new_request → request_received(body) → response_ended), 2 workers (`--workers N`), the
+bodies of bench/bench_overhead.py (288-token completions, token ids and text). Cases:
 `round_robin` and `kv`, each with a tokenizer configured (a word-level tokenizer that
 knows the text prompts' words) and without one. The 64 prompts repeat, so after the
 warm-up the segment cache holds every text prompt: they are tokenized on the event loop
@@ -56,6 +56,7 @@ async def run_case(
     iterations: int,
     profile: bool,
     bare: bool = False,
+    workers: int = 2,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if tokenizer is not None:
@@ -63,7 +64,7 @@ async def run_case(
     cfg = Config.model_validate(
         {
             "pool": {
-                "workers": [{"endpoint": "127.0.0.1:9001"}, {"endpoint": "127.0.0.1:9002"}],
+                "workers": [{"endpoint": f"127.0.0.1:{9001 + i}"} for i in range(workers)],
                 "block_size": 16,
             },
             "policy": policy_name,
@@ -139,6 +140,7 @@ def main() -> int:
     ap.add_argument(
         "--bare", action="store_true", help="no per-request timing (instruction counts)"
     )
+    ap.add_argument("--workers", type=int, default=2, help="workers in the pool (default 2)")
     args = ap.parse_args()
     only = tuple(args.case.split(":")) if args.case else None
     rows = []
@@ -150,7 +152,15 @@ def main() -> int:
                     if only is not None and only != (policy, "yes" if tk else "no", kind):
                         continue
                     r = asyncio.run(
-                        run_case(policy, tk, kind, args.iterations, args.profile, args.bare)
+                        run_case(
+                            policy,
+                            tk,
+                            kind,
+                            args.iterations,
+                            args.profile,
+                            args.bare,
+                            args.workers,
+                        )
                     )
                     if args.bare:
                         continue
@@ -164,7 +174,7 @@ def main() -> int:
                     )
                     if args.profile:
                         print(r["profile"])
-    if args.bare or only is not None:
+    if args.bare or only is not None or args.workers != 2:
         return 0  # (a partial run does not overwrite the full one's file)
     out = ROOT / "bench" / "out" / "profile_kv.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,42 @@ def cost_column(
     dup: float,
     best: float,
 ) -> list[float]: ...
+def cost_core(
+    cands: list[Any],
+    eps: list[str],
+    pf: list[float],
+    dc: list[float],
+    matches: dict[str, Any] | None,
+    rb: float,
+    decay: float,
+    stale: Callable[[Any], bool] | None,
+    sc: float,
+    dup_opt: float,
+    new_session: bool,
+    pls: float,
+    waiting: list[float] | None,
+    cap: float,
+    add_share: bool,
+    step_share: float,
+) -> tuple[
+    list[Any],
+    bool,
+    list[float],
+    list[bool] | None,
+    bool,
+    list[float],
+    float,
+    list[float],
+    float,
+    list[float],
+    list[float] | None,
+]: ...
+def pick_lowest(
+    costs: list[float],
+    tiebreak: Callable[[int], tuple[float, ...]],
+    rng: Any,
+    random_type: type,
+) -> int: ...
 def ids_u32_bytes(ids: list[int]) -> bytes: ...
 def json_ids_u32(buf: bytes, pos: int) -> tuple[bytes, int, int] | None: ...
 def gpu_depths(

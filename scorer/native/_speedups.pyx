@@ -1154,6 +1154,194 @@ def cost_column(list pf, list dc, list credit, list weighted, list held, double 
     return out
 
 
+cdef double _f(object x) except? -1.0:
+    # A column's number as the reference's arithmetic converts it (float, or int exactly).
+    return <double>x
+
+
+def cost_core(list cands, list eps, list pf, list dc, matches, double rb, double decay,
+              stale, double sc, double dup_opt, bint new_session, double pls, waiting,
+              double cap, bint add_share, double step_share):
+    """`dynamo_costs`' columns from the index lookup to the costs, and the step-sharing
+    blocks, for the common case (no medium_credit, no block life): the Python code in
+    scorer.policy.cost is the reference (`native=False`), op for op and object for object
+    (the matches, weights and held overlaps are the same objects; a comparison between
+    objects is Python's). `matches`: a dict or None (empty); `waiting`: the scraped queue
+    column when step sharing is on (else None); `add_share`: the step-sharing blocks are
+    also added to the costs (`_add_prefill_blocks` at step_share x pls: the blocks unit).
+    Returns (ms, any_match, credit, stale flags, stale_any, weighted, dup, held, best,
+    costs, share)."""
+    cdef Py_ssize_t n = len(pf), k
+    if len(dc) != n or len(cands) != n or len(eps) != n:
+        raise ValueError("cost columns differ in length")
+    cdef list ms = [None] * n
+    cdef bint any_match = False
+    cdef object m
+    if matches is not None:
+        if type(matches) is not dict:
+            raise TypeError("matches must be a dict")
+        for k in range(n):
+            m = (<dict>matches).get(eps[k])
+            if m is not None:
+                ms[k] = m
+                any_match = True
+    # Credit: decay_credit's column, or 1.0 each.
+    cdef list credit
+    cdef double lm, x, unit, one = 1.0
+    if decay > 0.0:
+        if n == 0:
+            raise ValueError("min() iterable argument is empty")
+        lm = _f(pf[0]) + _f(dc[0])
+        for k in range(1, n):
+            x = _f(pf[k]) + _f(dc[k])
+            if x < lm:
+                lm = x
+        unit = lm
+        if rb > unit:
+            unit = rb
+        if 1.0 > unit:
+            unit = 1.0
+        credit = [None] * n
+        for k in range(n):
+            x = _f(pf[k]) + _f(dc[k])
+            credit[k] = one / (one + decay * (x - lm) / unit) if x > lm else one
+    else:
+        credit = [1.0] * n
+    # Stale streams: the flags as `stale` returns them, their credit cut.
+    cdef object flags = None
+    cdef bint stale_any = False
+    cdef list fl
+    cdef object f
+    if stale is not None and any_match:
+        fl = [None] * n
+        for k in range(n):
+            m = ms[k]
+            f = False if m is None else stale(cands[k])
+            fl[k] = f
+            if not stale_any and (f is True or f == True):  # (`True in flags`)
+                stale_any = True
+        flags = fl
+        if stale_any:
+            for k in range(n):
+                if fl[k]:
+                    credit[k] = _f(credit[k]) * sc
+    cdef list weighted = [None] * n
+    for k in range(n):
+        m = ms[k]
+        weighted[k] = 0.0 if m is None else m.weighted
+    # Duplicate term: held overlap (a stale stream's cut too), the best of it.
+    cdef double dup = dup_opt
+    if not any_match or new_session:
+        dup = 0.0
+    cdef list held = weighted
+    cdef object best = 0.0, h, top
+    if dup > 0.0:
+        if stale_any:
+            held = [None] * n
+            for k in range(n):
+                h = weighted[k]
+                held[k] = _f(h) * sc if fl[k] else h
+        best = held[0]
+        for k in range(n):
+            h = held[k]
+            if h > best:
+                best = h
+        if best <= 0.0:
+            top = None
+            for k in range(n):
+                if ms[k] is not None and (top is None or held[k] > top):
+                    top = held[k]
+            best = top
+    # The cost column (cost_column's arithmetic).
+    cdef double b = _f(best), p
+    cdef list costs = [None] * n
+    for k in range(n):
+        p = _f(pf[k]) + rb - _f(credit[k]) * _f(weighted[k])
+        if not p > 0.0:
+            p = 0.0
+        costs[k] = pls * p + _f(dc[k]) + rb + dup * (b - _f(held[k]))
+    # Step sharing's blocks (cost._share_term), and (add_share) on the costs at
+    # step_share x pls (cost._add_prefill_blocks).
+    cdef object share = None
+    cdef list sh
+    cdef double r, wq, u, q, x2, w2 = step_share * pls
+    if waiting is not None:
+        if len(waiting) != n:
+            raise ValueError("cost columns differ in length")
+        sh = [None] * n
+        for k in range(n):
+            r = _f(cands[k].inflight.prefill_requests)
+            wq = _f(waiting[k])
+            if wq > r:
+                r = wq
+            u = rb - _f(credit[k]) * _f(weighted[k])
+            if r > 0.0 and u > 0.0:
+                q = _f(pf[k])
+                if q > cap:
+                    r = r * cap / q
+                x2 = r * (u if u < cap else cap)
+                sh[k] = x2
+                if add_share and x2 > 0.0:
+                    costs[k] = <double>costs[k] + w2 * x2
+            else:
+                sh[k] = 0.0
+        share = sh
+    return ms, any_match, credit, flags, stale_any, weighted, dup, held, best, costs, share
+
+
+def pick_lowest(list costs, tiebreak, rng, random_type):
+    """`scorer.policy.cost.pick` at temperature 0 (its Python code is the reference):
+    the lowest cost's position, or among the costs within 1e-9 of it the lowest
+    `tiebreak(i)` key, then `rng`'s draw (Random.choice's, inlined for `random_type`
+    itself). Every comparison and operation is the reference's on the same objects."""
+    cdef Py_ssize_t n = len(costs), k, j = 0, m, bits
+    if n == 1:
+        return 0
+    if n == 0:
+        raise IndexError("list index out of range")  # (costs[0], unchecked here)
+    c_min = costs[0]
+    for k in range(n):
+        c = costs[k]
+        if c < c_min:
+            c_min = c
+            j = k
+    a = c_min if c_min >= 0.0 else -c_min
+    limit = c_min + 1e-9 * (a if a > 1.0 else 1.0)
+    other = None
+    for k in range(n):
+        c = costs[k]
+        if k != j and (other is None or c < other):
+            other = c
+    if other is not None and other > limit:
+        return j
+    cdef list tied = [], keys = [], won = []
+    for k in range(n):
+        if costs[k] <= limit:
+            tied.append(k)
+            keys.append(tiebreak(k))
+    if not keys:
+        raise ValueError("min() arg is an empty sequence")
+    best = keys[0]
+    for key in keys:
+        if key < best:
+            best = key
+    for k in range(len(keys)):
+        if keys[k] == best:
+            won.append(tied[k])
+    m = len(won)
+    if m == 1:
+        return won[0]
+    if type(rng) is random_type:
+        bits = 0
+        while (m >> bits) != 0:
+            bits += 1
+        r = rng.getrandbits(bits)
+        while r >= m:
+            r = rng.getrandbits(bits)
+        return won[r]
+    return rng.choice(won)
+
+
 # -- The index match (scorer.index.masks.depths and BlockIndex.match's gathering are the
 # reference) ------------------------------------------------------------------------------
 #

@@ -26,9 +26,14 @@ if TYPE_CHECKING:
 
 
 class PolicyOptions(BaseModel):
-    """Base for a policy's options (the `policies.NAME` config section). Unknown keys fail."""
+    """Base for a policy's options (the `policies.NAME` config section). Unknown keys fail.
 
-    model_config = ConfigDict(extra="forbid")
+    Frozen: plugins read the values they need on every decision once, at construction
+    (an attribute of a pydantic model goes through its `__getattr__` hook, ~350
+    instructions a read), so a value changed afterwards would not be seen; it raises
+    instead."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass

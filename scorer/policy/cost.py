@@ -250,6 +250,83 @@ class CostModelOptions(PolicyOptions):
     shared_copy: float = Field(0.0, ge=0)
 
 
+class BusyRule:
+    """A `BusyOptions`' thresholds as plain attributes, read once (an attribute of a
+    pydantic model goes through its `__getattr__` hook, ~350 instructions a read; options
+    are frozen, so a copy cannot go out of date)."""
+
+    __slots__ = ("busy_inflight", "busy_kv_usage", "busy_waiting", "shed_when_busy")
+
+    def __init__(self, o: BusyOptions) -> None:
+        self.busy_waiting: float | None = o.busy_waiting
+        self.busy_kv_usage: float | None = o.busy_kv_usage
+        self.busy_inflight: int | None = o.busy_inflight
+        self.shed_when_busy: bool = o.shed_when_busy
+
+
+class CostParams:
+    """A `CostModelOptions`' values as plain attributes, read once per scorer, not per
+    decision (see BusyRule). `dynamo_costs` reads these; every option is here
+    (tests/policy/test_policy_cost.py holds the two field lists equal)."""
+
+    __slots__ = (
+        "block_life",
+        "continuity",
+        "continuity_evicted",
+        "continuity_min_match",
+        "continuity_own_blocks",
+        "conversation_spread",
+        "credit_decay",
+        "decode_ms_per_block",
+        "duplicate_cost",
+        "infer_conversations",
+        "life_fade",
+        "life_rate",
+        "life_window_s",
+        "max_conversations",
+        "medium_credit",
+        "prefill_load_scale",
+        "queue_weight",
+        "session_live_s",
+        "session_rebalance",
+        "session_spread",
+        "session_weight",
+        "shared_copy",
+        "stale_credit",
+        "step_budget_tokens",
+        "step_share",
+        "unit",
+    )
+
+    def __init__(self, o: CostModelOptions) -> None:
+        self.prefill_load_scale: float = o.prefill_load_scale
+        self.medium_credit: dict[str, float] | None = o.medium_credit
+        self.credit_decay: float = o.credit_decay
+        self.stale_credit: float = o.stale_credit
+        self.duplicate_cost: float = o.duplicate_cost
+        self.unit: str = o.unit
+        self.decode_ms_per_block: float | None = o.decode_ms_per_block
+        self.block_life: bool = o.block_life
+        self.life_rate: str = o.life_rate
+        self.life_window_s: float = o.life_window_s
+        self.life_fade: float = o.life_fade
+        self.continuity: float = o.continuity
+        self.continuity_own_blocks: bool = o.continuity_own_blocks
+        self.continuity_min_match: float = o.continuity_min_match
+        self.session_spread: float = o.session_spread
+        self.session_weight: str = o.session_weight
+        self.infer_conversations: bool = o.infer_conversations
+        self.conversation_spread: float = o.conversation_spread
+        self.max_conversations: int = o.max_conversations
+        self.continuity_evicted: float = o.continuity_evicted
+        self.session_live_s: float = o.session_live_s
+        self.session_rebalance: float = o.session_rebalance
+        self.queue_weight: float = o.queue_weight
+        self.step_share: float = o.step_share
+        self.step_budget_tokens: int = o.step_budget_tokens
+        self.shared_copy: float = o.shared_copy
+
+
 class CostOptions(BusyOptions, CostModelOptions):
     """The `kv` / `approx` policy options (config `policies.kv` / `policies.approx`):
     the busy filter's, the cost function's, and the picker's."""
@@ -287,7 +364,7 @@ def load_table(
     now: float,
     stale_after_s: float,
     waiting_request_blocks: float,
-    busy: BusyOptions | None = None,
+    busy: BusyOptions | BusyRule | None = None,
     native: bool = True,
 ) -> LoadTable:
     """Combine the router's in-flight accounting with a fresh scrape (module doc) and, with
@@ -296,17 +373,26 @@ def load_table(
 
     The hot loop of every decision: flat lists and bound methods on purpose; the compiled
     `load_columns` runs the same pass when built (`native=False`: this code, the reference).
+    `busy`: a caller deciding often passes the `BusyRule` it read once.
     """
+    if busy is not None and not isinstance(busy, BusyRule):
+        busy = BusyRule(busy)
     if native and _NATIVE_COST is not None:
+        if busy is None:
+            return LoadTable(
+                *_NATIVE_COST.load_columns(
+                    candidates, now - stale_after_s, waiting_request_blocks, None, None, None, False
+                )
+            )
         return LoadTable(
             *_NATIVE_COST.load_columns(
                 candidates,
                 now - stale_after_s,
                 waiting_request_blocks,
-                None if busy is None else busy.busy_waiting,
-                None if busy is None else busy.busy_kv_usage,
-                None if busy is None else busy.busy_inflight,
-                busy is not None,
+                busy.busy_waiting,
+                busy.busy_kv_usage,
+                busy.busy_inflight,
+                True,
             )
         )
     pfs: list[float] = []
@@ -394,7 +480,12 @@ class FleetInputs:
         """Predicted prefill ms of `queued_tokens` (PrefillModel.estimate's arithmetic)."""
         a, b, lo, hi = self.prefill_line
         q = queued_tokens if queued_tokens > 0.0 else 0.0
-        return 1000.0 * min(max(a + b * q, lo), hi)
+        x = a + b * q
+        if lo > x:  # min(max(x, lo), hi), as the builtins choose
+            x = lo
+        if hi < x:
+            x = hi
+        return 1000.0 * x
 
 
 @dataclass(slots=True)
@@ -539,7 +630,7 @@ def dynamo_costs(
     table: LoadTable,
     matches: Mapping[str, MatchLike],
     request_blocks: float,
-    opts: CostModelOptions,
+    opts: CostModelOptions | CostParams,
     stale: Callable[[Worker], bool] | None = None,
     fleet: FleetInputs | None = None,
     native: bool = True,
@@ -548,17 +639,22 @@ def dynamo_costs(
     """THE cost function (module doc) of each eligible candidate, term by term.
 
     `endpoints` are the candidates' endpoints (parallel to `candidates`); `eligible` the
-    scored candidates' indices, ascending. `stale(w)` says whether w's cache signal is to
-    be trusted less (a silent or gapped event stream). `fleet` feeds the block-life,
-    predicted-TTFT, continuity and session-spread terms (None: off). `block_size`: tokens
-    per block (the step-sharing term's budget in blocks; 0: uncapped).
+    scored candidates' indices, ascending. `opts`: the options, read once into a
+    `CostParams` by a caller that decides often (the scorer). `stale(w)` says whether w's
+    cache signal is to be trusted less (a silent or gapped event stream). `fleet` feeds
+    the block-life, predicted-TTFT, continuity and session-spread terms (None: off).
+    `block_size`: tokens per block (the step-sharing term's budget in blocks; 0: uncapped).
 
     Evaluated a term at a time over all candidates (one list per term, no per-candidate
-    objects): the per-decision constants are hoisted and each column is one C-driven
-    comprehension. The order of the float operations is the formula's, so the costs are
-    the same bits as a candidate-at-a-time evaluation. The credit and cost columns run
-    compiled when built (`native=False`: these comprehensions, the reference).
+    objects): the per-decision constants are hoisted. The order of the float operations
+    is the formula's, so the costs are the same bits as a candidate-at-a-time evaluation.
+    The credit and cost columns run compiled when built (`native=False`: the Python
+    columns, the reference). The glue around them is plain loops, not comprehensions or
+    `min` / `max` calls: at a few candidates a comprehension's function object and frame
+    cost more than its items (~2,000 instructions), and `min` / `max` parse keyword
+    arguments (~1,300); the loops keep their semantics (first extreme, `<` / `>`).
     """
+    p = opts if isinstance(opts, CostParams) else CostParams(opts)
     nat = _NATIVE_COST if native else None
     rb = request_blocks
     n = len(eligible)
@@ -571,11 +667,110 @@ def dynamo_costs(
         dc = [dcs[i] for i in eligible]
         cands = [candidates[i] for i in eligible]
         eps = [endpoints[i] for i in eligible]
-    ms: list[MatchLike | None] = list(map(matches.get, eps)) if matches else [None] * n
-    any_match = bool(matches) and not matches.keys().isdisjoint(eps)
+    life = fleet.life if fleet is not None else None
+    share_on = p.step_share > 0.0 and n > 1
+    # The step-sharing blocks go on the costs right after the cost column in the blocks
+    # unit (with or without the fleet terms): the compiled pass adds them there.
+    added = False
+    if (
+        nat is not None
+        and p.medium_credit is None
+        and not life
+        and type(matches) is dict
+        and type(cands) is list
+        and type(eps) is list
+    ):
+        # The columns from the lookup to the costs (and the step-sharing blocks) in one
+        # compiled pass: the code below, object for object and op for op.
+        added = share_on and p.unit != "ms"
+        ms, any_match, credit, stale_flags, stale_any, weighted, dup, held, best, costs, share = (
+            nat.cost_core(
+                cands,
+                eps,
+                pf,
+                dc,
+                matches if matches else None,
+                rb,
+                p.credit_decay,
+                stale,
+                p.stale_credit,
+                p.duplicate_cost,
+                fleet is not None and fleet.sessions is not None,
+                p.prefill_load_scale,
+                (table.waiting if every else [table.waiting[i] for i in eligible])
+                if share_on
+                else None,
+                p.step_budget_tokens / block_size if block_size > 0 else math.inf,
+                added,
+                p.step_share,
+            )
+        )
+        out = CostTable(eligible, costs, ms, weighted, credit, stale_flags, stale_any, pf, rb)
+        out.every = every
+        if dup > 0.0:
+            out.best_held, out.held = best, held
+        out.share = share
+    else:
+        out, dup, any_match = _columns(
+            p, nat, cands, eps, eligible, every, pf, dc, table, matches, rb, stale, fleet, life,
+            share_on, block_size,
+        )  # fmt: skip
+    if fleet is not None:
+        _fleet_terms(out, dc, p, fleet, dup, added)
+        if (
+            p.shared_copy > 0.0
+            and fleet.sessions is not None
+            and fleet.left is None
+            and any_match
+            and n > 1
+        ):
+            _copy_term(out, p, fleet.session_turns)
+    elif out.share is not None and not added:
+        _add_prefill_blocks(out, p, p.step_share, out.share)
+    if p.queue_weight > 0.0 and n > 1:
+        _queue_term(out, p)
+    return out
+
+
+def _columns(
+    p: CostParams,
+    nat: Any,
+    cands: Sequence[Worker],
+    eps: Sequence[str],
+    eligible: Sequence[int],
+    every: bool,
+    pf: list[float],
+    dc: list[float],
+    table: LoadTable,
+    matches: Mapping[str, MatchLike],
+    rb: float,
+    stale: Callable[[Worker], bool] | None,
+    fleet: FleetInputs | None,
+    life: dict[int, tuple[float, float | None, float | None, float]] | None,
+    share_on: bool,
+    block_size: int,
+) -> tuple[CostTable, float, bool]:
+    """dynamo_costs' columns from the index lookup to the costs and the step-sharing
+    blocks (the reference of the compiled `cost_core`, and the path of the options it
+    leaves out: medium_credit, block life). Returns the table, the duplicate term's
+    weight and whether an eligible candidate has a cached prefix."""
+    n = len(eps)
+    ms: list[MatchLike | None]
+    if matches:
+        ms = list(map(matches.get, eps))
+        # Whether an eligible candidate is listed (an index lists holders only). (Not
+        # ms.count(None): that compares each Match with None through its __eq__.)
+        any_match = False
+        for m in ms:
+            if m is not None:
+                any_match = True
+                break
+    else:
+        ms = [None] * n
+        any_match = False
 
     # Credit: 1 / (1 + decay * excess), excess in "least-loaded loads".
-    decay = opts.credit_decay
+    decay = p.credit_decay
     if decay > 0.0 and nat is not None:
         credit = nat.decay_credit(pf, dc, rb, decay)
     elif decay > 0.0:
@@ -589,13 +784,17 @@ def dynamo_costs(
         credit = [1.0] * n
     stale_flags: list[bool] | None = None
     stale_any = False
-    sc = opts.stale_credit
+    sc = p.stale_credit
     if stale is not None and any_match:
-        stale_flags = [m is not None and stale(w) for m, w in zip(ms, cands, strict=True)]
+        stale_flags = []
+        flag = stale_flags.append
+        k = 0
+        for m in ms:
+            flag(m is not None and stale(cands[k]))
+            k += 1
         stale_any = True in stale_flags
         if stale_any:
             credit = [c * sc if s else c for c, s in zip(credit, stale_flags, strict=True)]
-    life = fleet.life if fleet is not None else None
     if life:
         pos = range(n) if every else {c: k for k, c in enumerate(eligible)}
         for i, got in life.items():
@@ -604,9 +803,15 @@ def dynamo_costs(
                 credit[k] *= got[0]
 
     # Overlap weighted by medium.
-    mcredit = opts.medium_credit
-    if mcredit is None:
-        weighted = [0.0 if m is None else m.weighted for m in ms]
+    mcredit = p.medium_credit
+    weighted: list[float]
+    if not any_match:
+        weighted = [0.0] * n
+    elif mcredit is None:
+        weighted = []
+        put = weighted.append
+        for m in ms:
+            put(0.0 if m is None else m.weighted)
     else:
         gpu = mcredit.get("GPU", 1.0)
         weighted = [
@@ -619,7 +824,7 @@ def dynamo_costs(
     # Duplicate cost: duplicate_cost x (best held overlap - this one's). Off for a request
     # opening a new session: it continues no conversation, the prefix it shares (a system
     # prompt) is worth replicating, and where it lands is session_spread's call.
-    dup = opts.duplicate_cost
+    dup = p.duplicate_cost
     if not any_match or (fleet is not None and fleet.sessions is not None):
         dup = 0.0
     held, best = weighted, 0.0
@@ -627,44 +832,41 @@ def dynamo_costs(
         # A stale stream's blocks may be gone: they count with stale_credit here too.
         if stale_any and stale_flags is not None:
             held = [w * sc if s else w for w, s in zip(weighted, stale_flags, strict=True)]
-        best = max(held)
+        best = held[0]  # max(held)
+        for h in held:
+            if h > best:
+                best = h
         if best <= 0.0:  # the 0.0 of an uncached candidate must not beat a cached one's
-            best = max([h for h, m in zip(held, ms, strict=True) if m is not None])
+            # max over the cached candidates (any_match: there is one)
+            top: float | None = None
+            k = 0
+            for m in ms:
+                if m is not None and (top is None or held[k] > top):
+                    top = held[k]
+                k += 1
+            assert top is not None
+            best = top
         out.best_held, out.held = best, held
 
     # Dynamo's cost, + the duplicate term (dup 0: + 0.0, the same float):
     #   prefill_load_scale * max(prefill + request - credit * weighted, 0) + decode + request.
-    pls = opts.prefill_load_scale
+    pls = p.prefill_load_scale
     if nat is not None:
         out.costs = nat.cost_column(pf, dc, credit, weighted, held, rb, pls, dup, best)
     else:
         out.costs = [
-            pls * (p if (p := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
+            pls * (q if (q := a + rb - c * w) > 0.0 else 0.0) + d + rb + dup * (best - h)
             for a, d, c, w, h in zip(pf, dc, credit, weighted, held, strict=True)
         ]
-    if opts.step_share > 0.0 and n > 1:
+    if share_on:
         wq = table.waiting if every else [table.waiting[i] for i in eligible]
-        _share_term(out, opts, cands, wq, block_size)
-    if fleet is not None:
-        _fleet_terms(out, dc, opts, fleet, dup)
-        if (
-            opts.shared_copy > 0.0
-            and fleet.sessions is not None
-            and fleet.left is None
-            and any_match
-            and n > 1
-        ):
-            _copy_term(out, opts, fleet.session_turns)
-    elif out.share is not None:
-        _add_prefill_blocks(out, opts, opts.step_share, out.share)
-    if opts.queue_weight > 0.0 and n > 1:
-        _queue_term(out, opts)
-    return out
+        _share_term(out, p, cands, wq, block_size)
+    return out, dup, any_match
 
 
 def _share_term(
     out: CostTable,
-    opts: CostModelOptions,
+    p: CostParams,
     cands: Sequence[Worker],
     waiting: Sequence[float],
     block_size: int,
@@ -672,77 +874,96 @@ def _share_term(
     """The step-sharing term's blocks per candidate (module doc, "Step sharing") into
     `out.share`; added to the costs with the fleet terms (before continuity and the
     spreads), or alone without them."""
-    cap = opts.step_budget_tokens / block_size if block_size > 0 else math.inf
+    cap = p.step_budget_tokens / block_size if block_size > 0 else math.inf
     rb = out.request_blocks
+    prefill, credit, weighted = out.prefill, out.credit, out.weighted
     share: list[float] = []
     add_share = share.append
-    for w, wq, q, c, x in zip(cands, waiting, out.prefill, out.credit, out.weighted, strict=True):
-        p: float = w.inflight.prefill_requests
-        if wq > p:
-            p = wq
-        u = rb - c * x  # this request's uncached blocks there (CostTable.uncached)
-        if p > 0.0 and u > 0.0:
+    k = 0  # (a counter, not range(): a range object costs ~1,000 instructions)
+    for w in cands:
+        r: float = w.inflight.prefill_requests
+        wq = waiting[k]
+        if wq > r:
+            r = wq
+        u = rb - credit[k] * weighted[k]  # this request's uncached blocks there (uncached)
+        if r > 0.0 and u > 0.0:
             # Only the requests whose last chunk shares this request's first step: with
             # more than a step's budget queued there, the ones in the last budget of it.
+            q = prefill[k]
             if q > cap:
-                p = p * cap / q
-            add_share(p * (u if u < cap else cap))
+                r = r * cap / q
+            add_share(r * (u if u < cap else cap))
         else:
             add_share(0.0)
+        k += 1
     out.share = share
 
 
-def _copy_term(out: CostTable, opts: CostModelOptions, turns: float) -> None:
+def _copy_term(out: CostTable, p: CostParams, turns: float) -> None:
     """The shared-prefix copy term (module doc, "Shared-prefix copy") on `out.costs`:
     a new session's blocks of the best cached prefix that a candidate would write again,
     priced after the session spread so the spread does not scale it."""
     held = out.weighted
     if out.stale_any and out.stale is not None:
-        sc = opts.stale_credit
+        sc = p.stale_credit
         held = [w * sc if s else w for w, s in zip(held, out.stale, strict=True)]
     best = max(held)
     copy = [best - h for h in held]
     out.copy = copy
-    _add_prefill_blocks(out, opts, opts.shared_copy / max(turns, 1.0), copy)
+    _add_prefill_blocks(out, p, p.shared_copy / max(turns, 1.0), copy)
 
 
-def _queue_term(out: CostTable, opts: CostModelOptions) -> None:
+def _queue_term(out: CostTable, p: CostParams) -> None:
     """The queue term (module doc, "Queue term") on `out.costs`, after the fleet terms."""
     pf = out.prefill
     lo = min(pf)
-    extra = [p - lo for p in pf]
+    extra = [q - lo for q in pf]
     out.queue = extra
-    _add_prefill_blocks(out, opts, opts.queue_weight, extra)
+    _add_prefill_blocks(out, p, p.queue_weight, extra)
 
 
 def _add_prefill_blocks(
     out: CostTable,
-    opts: CostModelOptions,
+    p: CostParams,
     weight: float,
     blocks: Sequence[float],
     fleet: FleetInputs | None = None,
 ) -> None:
-    """`out.costs` += weight x one prefill block's price x `blocks` (per candidate): the
-    queue term (after the fleet terms) and the step-sharing term (inside them)."""
-    unit = opts.prefill_load_scale
+    """`out.costs` += weight x one prefill block's price x `blocks` (per candidate, in
+    place): the queue term (after the fleet terms) and the step-sharing term (inside
+    them)."""
+    unit = p.prefill_load_scale
     fleet = fleet if fleet is not None else out.fleet
-    if opts.unit == "ms" and fleet is not None:
+    if p.unit == "ms" and fleet is not None:
         # One prefill block in ms: the fitted prefill ms per block (the ms unit's scale).
         unit = fleet.ms_per_block
     w = weight * unit
-    out.costs = [c + w * x if x > 0.0 else c for c, x in zip(out.costs, blocks, strict=True)]
+    costs = out.costs
+    if len(blocks) != len(costs):
+        raise ValueError("cost columns differ in length")
+    k = 0
+    for x in blocks:
+        if x > 0.0:
+            costs[k] = costs[k] + w * x
+        k += 1
 
 
 def _fleet_terms(
-    out: CostTable, dc: Sequence[float], opts: CostModelOptions, fleet: FleetInputs, dup: float
+    out: CostTable,
+    dc: Sequence[float],
+    p: CostParams,
+    fleet: FleetInputs,
+    dup: float,
+    added: bool = False,
 ) -> None:
-    """The ms unit (predicted TTFT), continuity and session spread, on `out.costs`."""
+    """The ms unit (predicted TTFT), continuity and session spread, on `out.costs`
+    (`added`: the step-sharing blocks are on them already, as this would add them)."""
     costs = out.costs
-    if opts.unit == "ms":
-        pls = opts.prefill_load_scale
+    if p.unit == "ms":
+        pls = p.prefill_load_scale
         # One cost block (a decode block; a prefill block is pls of them) in ms.
         per_block = fleet.ms_per_block / pls if pls > 0.0 else fleet.ms_per_block
-        dms = opts.decode_ms_per_block
+        dms = p.decode_ms_per_block
         if dms is None:
             dms = per_block
         # Queue ahead (the prefill of what is routed there and not yet started) plus this
@@ -756,45 +977,57 @@ def _fleet_terms(
             t + dms * (d + rb) + per_block * x for t, d, x in zip(ttft, dc, dup_cost, strict=True)
         ]
         out.ttft = ttft
-    if out.share is not None:
+    if out.share is not None and not added:
         # Step sharing, before continuity and the spreads: the previous turn's worker gets
         # the discount on it too, and a new conversation's spread scales it (docs/policy.md
         # "Step sharing": added after them it placed new prompts among the conversations
         # between turns, whose contexts they then evicted).
         out.costs = costs
-        _add_prefill_blocks(out, opts, opts.step_share, out.share, fleet)
+        _add_prefill_blocks(out, p, p.step_share, out.share, fleet)
         costs = out.costs
-    c = opts.continuity
+    c = p.continuity
     prev = fleet.previous
     left = fleet.left
     if left is not None:
         # The worker the session leaves wins only when it is the one eligible.
         k = out.position(left)
         if k is not None and len(costs) > 1:
-            costs[k] += max(costs) + 1.0
+            top = costs[0]  # max(costs)
+            for x in costs:
+                if x > top:
+                    top = x
+            costs[k] += top + 1.0
     elif prev is not None and c > 0.0 and (fleet.own != 0 or fleet.evicted):
         k = out.position(prev)
         if k is not None:
-            costs[k] *= 1.0 - (opts.continuity_evicted if fleet.evicted else c)
+            costs[k] *= 1.0 - (p.continuity_evicted if fleet.evicted else c)
             out.previous = prev
     live = fleet.sessions
-    spread = opts.session_spread
+    spread = p.session_spread
     if fleet.conversation is not None:
-        spread = opts.conversation_spread  # (a recognised conversation, no session id)
+        spread = p.conversation_spread  # (a recognised conversation, no session id)
     if live is not None and spread > 0.0:
-        lo = min(live)
+        lo = live[0]  # min(live)
+        for s in live:
+            if s < lo:
+                lo = s
         # "blocks": at least the new session's own size (an empty worker is not infinitely
         # better than one holding one session like it). A recognised conversation: in
         # units of one conversation (or its blocks), not of the fewest.
-        unit = max(
-            0.0 if fleet.conversation is not None else lo,
-            out.request_blocks if opts.session_weight == "blocks" else 0.0,
-            1.0,
-        )
-        costs = [
-            c * (1.0 + spread * (s - lo) / unit) if s > lo else c
-            for c, s in zip(costs, live, strict=True)
-        ]
+        # unit = max(0.0 or lo, request blocks or 0.0, 1.0), first maximal as max() is:
+        unit = 0.0 if fleet.conversation is not None else lo
+        x = out.request_blocks if p.session_weight == "blocks" else 0.0
+        if x > unit:
+            unit = x
+        if unit < 1.0:
+            unit = 1.0
+        if len(live) != len(costs):
+            raise ValueError("cost columns differ in length")
+        k = 0
+        for s in live:
+            if s > lo:
+                costs[k] = costs[k] * (1.0 + spread * (s - lo) / unit)
+            k += 1
     out.costs = costs
     out.fleet = fleet
 
@@ -804,16 +1037,29 @@ def pick(
     tiebreak: Callable[[int], tuple[float, ...]],
     temperature: float,
     rng: random.Random,
+    native: bool = True,
 ) -> int:
     """Index of the winner: lowest cost, then least load, then random; or softmax sampling.
 
     `tiebreak(i)` is candidate i's tie-break key (e.g. load in blocks, in-flight
-    requests); it is only asked for when costs tie.
+    requests); it is only asked for when costs tie. (Loops, not `min` / `max` and
+    comprehensions: the same comparisons, in the same order, without a builtin's keyword
+    parsing or a comprehension's frame at a handful of candidates.) At temperature 0 the
+    compiled `pick_lowest` runs this code when built (`native=False`: this code).
     """
+    if native and _NATIVE_COST is not None and not temperature > 0.0 and type(costs) is list:
+        lowest: int = _NATIVE_COST.pick_lowest(costs, tiebreak, rng, random.Random)
+        return lowest
     n = len(costs)
     if n == 1:
         return 0
-    c_min = min(costs)
+    # min(costs) and its first position (costs.index of it).
+    c_min = costs[0]
+    j = k = 0
+    for c in costs:  # (a counter, not range(): a range object costs ~1,000 instructions)
+        if c < c_min:
+            c_min, j = c, k
+        k += 1
     if temperature > 0.0:
         c_max = max(costs)
         if c_max > c_min:
@@ -821,15 +1067,49 @@ def pick(
             weights = [math.exp(-(c - c_min) / scale) for c in costs]
             return rng.choices(range(n), weights=weights)[0]
     # Costs equal within float noise are ties; none among the others: the lowest wins.
-    limit = c_min + 1e-9 * max(1.0, abs(c_min))
-    j = costs.index(c_min)
-    if min([*costs[:j], *costs[j + 1 :]]) > limit:
+    a = c_min if c_min >= 0.0 else -c_min  # abs(c_min) (-0.0 and NaN end at 1.0 either way)
+    limit = c_min + 1e-9 * (a if a > 1.0 else 1.0)
+    other: float | None = None  # min over the others
+    k = 0
+    for c in costs:
+        if k != j and (other is None or c < other):
+            other = c
+        k += 1
+    if other is not None and other > limit:
         return j
-    tied = [i for i in range(n) if costs[i] <= limit]
-    keyed = [(tiebreak(i), i) for i in tied]
-    best = min(k for k, _ in keyed)
-    tied = [i for k, i in keyed if k == best]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+    tied: list[int] = []
+    keys: list[tuple[float, ...]] = []
+    i = 0
+    for c in costs:
+        if c <= limit:
+            tied.append(i)
+            keys.append(tiebreak(i))
+        i += 1
+    if not keys:  # (a NaN lowest cost ties nothing: min()'s error, as before)
+        raise ValueError("min() arg is an empty sequence")
+    best = keys[0]  # min(keys)
+    for key in keys:
+        if key < best:
+            best = key
+    won: list[int] = []
+    k = 0
+    for key in keys:
+        if key == best:
+            won.append(tied[k])
+        k += 1
+    if len(won) == 1:
+        return won[0]
+    if type(rng) is random.Random:
+        # rng.choice(won), inlined: Random.choice is won[_randbelow(len(won))] and
+        # _randbelow draws getrandbits(n.bit_length()) until below n: the same draws, the
+        # same state after (tests/policy/test_policy_cost.py).
+        m = len(won)
+        bits = m.bit_length()
+        r = rng.getrandbits(bits)
+        while r >= m:
+            r = rng.getrandbits(bits)
+        return won[r]
+    return rng.choice(won)
 
 
 def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:

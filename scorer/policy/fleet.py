@@ -203,7 +203,12 @@ def life_factor(remaining_s: float, wait_s: float, life_s: float, fade: float) -
     span = fade * life_s
     if span <= 0.0:
         return 1.0 if left > 0.0 else 0.0
-    return min(max(left / span, 0.0), 1.0)
+    f = left / span
+    if f < 0.0:  # min(max(f, 0.0), 1.0), as the builtins choose (no keyword parse)
+        f = 0.0
+    if f > 1.0:
+        f = 1.0
+    return f
 
 
 def own_blocks(previous: str, matches: Mapping[str, MatchLike], endpoints: Iterable[str]) -> int:
@@ -214,8 +219,17 @@ def own_blocks(previous: str, matches: Mapping[str, MatchLike], endpoints: Itera
     m = matches.get(previous)
     if m is None:
         return 0
-    other = max((x.blocks for e in endpoints if e != previous and (x := matches.get(e))), default=0)
-    return max(m.blocks - other, 0)
+    # max over the others' blocks (0 when none holds any), max(own - that, 0): a loop, no
+    # generator and no max() (a keyword parse each) on the decision path.
+    other: int | None = None
+    get = matches.get
+    for e in endpoints:
+        if e != previous:
+            x = get(e)
+            if x and (other is None or x.blocks > other):
+                other = x.blocks
+    d = m.blocks - (0 if other is None else other)
+    return d if d > 0 else 0
 
 
 SessionId = str | int
@@ -306,6 +320,8 @@ def _grid(limit: int = 1 << 24) -> tuple[int, ...]:
 
 
 _GRID = _grid()
+# _GRID[:j] deepest first, per j (a lookup's positions below its prompt's end, in order).
+_DOWN = tuple(tuple(reversed(_GRID[:j])) for j in range(len(_GRID) + 1))
 
 
 class Conversations:
@@ -331,11 +347,10 @@ class Conversations:
         n = len(keys)
         anchors = self._anchors
         latest = self._latest
-        j = bisect_right(_GRID, n - 2)  # (a previous prompt is at most n - 1 blocks)
         looked = 0
-        while j > 0:
-            j -= 1
-            b = anchors.get(keys[_GRID[j]])
+        # (a previous prompt is at most n - 1 blocks)
+        for g in _DOWN[bisect_right(_GRID, n - 2)]:
+            b = anchors.get(keys[g])
             if b is None:
                 continue
             for tip, m, conv in reversed(b):

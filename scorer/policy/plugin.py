@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from scorer.policy.base import PolicyOptions
-from scorer.policy.cost import BusyOptions, CostTable, LoadTable, load_table
+from scorer.policy.cost import BusyRule, CostTable, LoadTable, load_table
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.routing import Reason, RoutingRequest
 
@@ -48,6 +48,8 @@ class Cycle:
     """
 
     __slots__ = (
+        "_last_got",
+        "_last_index",
         "_matches",
         "all_filtered",
         "block_size",
@@ -85,14 +87,17 @@ class Cycle:
     # The index lookup the explanation rows show (the first cache scorer's; assigned,
     # never changed in place: the default is one shared empty mapping).
     shown_matches: Mapping[str, MatchLike]
-    # Busy thresholds applied while building the load table (the profile's busy filter).
-    busy: BusyOptions | None
+    # Busy thresholds applied while building the load table (the profile's busy filter's).
+    busy: BusyRule | None
     stale_any: bool  # a cost row's credit was cut for a stale event stream
     # Every candidate's load terms (load_table with `busy`, as of the construction).
     load: LoadTable
     # The candidates' endpoints (parallel to `candidates`).
     endpoints: list[str]
     _matches: dict[int, Mapping[str, MatchLike]] | None
+    # The last index looked up and its answer (a decision asks the same index 3-4 times).
+    _last_index: IndexLike | None
+    _last_got: Mapping[str, MatchLike]
 
     def __init__(
         self,
@@ -108,7 +113,7 @@ class Cycle:
         all_filtered: bool = False,
         cost: CostTable | None = None,
         shown_matches: Mapping[str, MatchLike] = NO_MATCHES,
-        busy: BusyOptions | None = None,
+        busy: BusyRule | None = None,
         stale_any: bool = False,
     ) -> None:
         self.request = request
@@ -128,9 +133,13 @@ class Cycle:
         self.load = load_table(candidates, now, stale_after_s, waiting_request_blocks, busy)
         self.endpoints = list(map(_endpoint, candidates))
         self._matches = None
+        self._last_index = None  # (index None: NO_MATCHES, as below)
+        self._last_got = NO_MATCHES
 
     def matches(self, index: IndexLike | None) -> Mapping[str, MatchLike]:
         """Each candidate's cached prefix in `index` (one lookup per index per decision)."""
+        if index is self._last_index:
+            return self._last_got
         keys = self.request.block_keys
         if index is None or not keys:
             return NO_MATCHES
@@ -140,6 +149,7 @@ class Cycle:
         got = cache.get(id(index))
         if got is None:
             got = cache[id(index)] = index.match(keys, self.endpoints)
+        self._last_index, self._last_got = index, got
         return got
 
 

@@ -24,12 +24,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
 from scorer.policy.base import Policy, PolicyContext, PolicyOptions
-from scorer.policy.cost import BusyOptions, CostTable, LoadTable
+from scorer.policy.cost import CostTable, LoadTable
+from scorer.policy.filters.busy import BusyFilter
 from scorer.policy.parts import MatchLike
 from scorer.policy.plugin import NO_MATCHES, Cycle, Filter, Picker, Plugin, Scorer
 from scorer.policy.registry import by_kind
@@ -156,15 +158,24 @@ class Profile(Policy):
         self._plain = len(self.scorers) == 1 and self.weights[0] == 1.0
         self._shedders = [f for f in self.filters if f.sheds()]
         # The first busy filter's thresholds are applied while the load table is built.
-        self._busy = next(
-            (f.options for f in self.filters if isinstance(f.options, BusyOptions)), None
-        )
+        self._busy = next((f.rule for f in self.filters if isinstance(f, BusyFilter)), None)
         # The plugins with a commit of their own (the base class's does nothing).
         self._committers = [p for p in self.plugins if type(p).commit is not Plugin.commit]
         # Per-decision constants, read once (an attribute of a config model goes through
         # pydantic's __getattr__ hook, ~350 instructions a read).
         self._block_size = ctx.config.pool.block_size
+        self._ranges: dict[int, list[int]] = {}
         self._stale_after_s = ctx.config.load.stale_after_s
+
+    def _everyone(self, n: int) -> list[int]:
+        """[0, ..., n - 1], a new list (range() costs ~1,400 instructions; a copy of one kept
+        per fleet size ~150)."""
+        got = self._ranges.get(n)
+        if got is None:
+            if len(self._ranges) > 64:
+                self._ranges.clear()  # (bounded: fleet sizes seen lately)
+            got = self._ranges[n] = list(range(n))
+        return got[:]
 
     def plugin(self, name: str) -> Plugin | None:
         """This profile's plugin named `name` (first match), for tests and tools."""
@@ -206,7 +217,7 @@ class Profile(Policy):
             f.filter(cycle)
         filtered = cycle.filtered
         # (A filtered candidate's entry is its reason, a non-empty string.)
-        eligible = _kept(filtered) if any(filtered) else [*range(n)]
+        eligible = _kept(filtered) if any(filtered) else self._everyone(n)
         all_filtered = not eligible
         if all_filtered:
             if request.sheddable and self._shedders:
@@ -253,9 +264,7 @@ class Profile(Policy):
             reason, notes = self._reason(cycle, win, win_blocks)
         # The rows are built when first read (/debug/decisions, the Score RPC), from this
         # decision's numbers: in-flight counts as they are now, before the commit.
-        rows = explanation_rows(
-            cycle, costs if scorers else None, [w.inflight.requests for w in candidates]
-        )
+        rows = explanation_rows(cycle, costs if scorers else None, _requests(candidates))
         if not request.dry_run:
             for plug in self._committers:
                 plug.commit(cycle, win)
@@ -332,9 +341,12 @@ def _fallbacks(order: list[int], j: int, eps: list[str], eligible: list[int], k:
     return [eps[eligible[i]] for i in rest[:k]]
 
 
+_inflight_requests = attrgetter("inflight.requests")
+
+
 def _requests(candidates: Sequence[Worker]) -> list[int]:
     """Each candidate's in-flight requests now (the rows show them as decided)."""
-    return [w.inflight.requests for w in candidates]
+    return list(map(_inflight_requests, candidates))
 
 
 def _held_blocks(cycle: Cycle, i: int) -> int:

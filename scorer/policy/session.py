@@ -23,7 +23,7 @@ import xxhash
 from pydantic import Field, field_validator
 
 from scorer.policy.base import Policy, PolicyContext, build_policy
-from scorer.policy.cost import BusyOptions, load_table
+from scorer.policy.cost import BusyOptions, BusyRule, load_table
 from scorer.pool.workers import Worker
 from scorer.routing import Decision, Reason, RoutingRequest
 
@@ -95,6 +95,7 @@ class SessionPolicy(Policy):
         self.needs_tokens = self.inner.needs_tokens
         self.clock: Callable[[], float] = time.monotonic
         self.bindings: OrderedDict[str, Binding] = OrderedDict()
+        self._busy_rule = BusyRule(options)  # (read once: see cost.BusyRule)
 
     def _expire(self, now: float) -> None:
         # Oldest-used first (move_to_end on use), so expiry stops at the first live one.
@@ -111,7 +112,7 @@ class SessionPolicy(Policy):
         self.bindings.move_to_end(sid)
 
     def _busy(self, w: Worker, now: float) -> str | None:
-        table = load_table([w], now, self.ctx.config.load.stale_after_s, 1.0, self.options)
+        table = load_table([w], now, self.ctx.config.load.stale_after_s, 1.0, self._busy_rule)
         assert table.busy is not None
         return table.busy[0]
 

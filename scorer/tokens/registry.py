@@ -97,6 +97,12 @@ def resolve_tokenizer_files(path: str | Path) -> tuple[Path, Path | None]:
     return d / "tokenizer.json", cfg if cfg.is_file() else None
 
 
+# Texts up to this many characters are remembered by LocalTokenizer.split until the next
+# split: the inline bound of the tokens stage (scorer.tokens.service.INLINE_MAX_BYTES) with
+# room; a longer prompt is split once anyway (it goes to the pool), and is not kept alive.
+SPLIT_MEMO_CHARS = 16384
+
+
 def _token_str(v: Any) -> str | None:
     # tokenizer_config.json stores special tokens as strings or as serialised AddedToken
     # objects ({"content": ..., "__type": "AddedToken", ...}).
@@ -145,6 +151,11 @@ class LocalTokenizer:
         # match could start inside the cut text and run past it): scorer.tokens.prefix.
         contents = [c for c in self.added if c]
         self.prefix_safe = not any(a != b and a in b for a in contents for b in contents)
+        # The last text split (the same str object) and its pieces: the tokens stage splits
+        # a small prompt to decide where to encode it (Tokenization.inline_text), then
+        # again to encode it; the second is this lookup. One tuple, replaced whole (the
+        # pool's threads split too).
+        self._split_memo: tuple[str | None, list[str]] = (None, [])
 
     # -- encoding ---------------------------------------------------------------------
     def encode_whole(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -155,10 +166,18 @@ class LocalTokenizer:
         return ids
 
     def split(self, text: str) -> list[str]:
-        """[text, added, text, added, ..., text] (the text pieces may be empty)."""
+        """[text, added, text, added, ..., text] (the text pieces may be empty). A text of
+        up to SPLIT_MEMO_CHARS is remembered with its pieces until the next one: the list
+        is shared, read it only."""
         if self._pattern is None:
             return [text]
-        return self._pattern.split(text)
+        memo = self._split_memo
+        if memo[0] is text:
+            return memo[1]
+        pieces = self._pattern.split(text)
+        if len(text) <= SPLIT_MEMO_CHARS:
+            self._split_memo = (text, pieces)
+        return pieces
 
     def encode_bytes(
         self,
@@ -192,6 +211,23 @@ class LocalTokenizer:
     ) -> list[bytes]:
         """Packed ids of each non-empty piece of `split` output, in order: cached text
         pieces looked up, the rest encoded."""
+        if len(pieces) == 1:
+            # No added token (a plain completion prompt): the general path's work for one
+            # piece, without its lists, dict and loops (~4,000 instructions).
+            t = pieces[0]
+            if not t:
+                return []
+            v = cache.lookup(self.space, [t])[0]
+            if v is None:
+                enc = self.tokenizer.encode_batch_fast([t], add_special_tokens=False)[0]
+                v = ids_to_bytes(enc.ids)
+                cache.store(self.space, [(t, v)])
+                if stats is not None:
+                    stats.misses += 1
+                    stats.encoded_chars += len(t)
+            if stats is not None:
+                stats.segments += 1
+            return [v]
         texts = pieces[0::2]
         # Empty pieces (adjacent added tokens) encode to nothing: skip them.
         wanted = [t for t in texts if t]

@@ -1,7 +1,8 @@
 """The cost function's compiled columns (scorer/native/_speedups.pyx: load_columns,
-decay_credit, cost_column) against their Python reference in scorer.policy.cost: on random
-fleets the load table and every cost column are the same objects' types and the same bits
-(`repr` of a float round-trips), so decisions cannot differ."""
+decay_credit, cost_column, cost_core) against their Python reference in
+scorer.policy.cost: on random fleets the load table and every cost column are the same
+objects' types and the same bits (`repr` of a float round-trips), so decisions cannot
+differ."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from scorer.config import WorkerConfig
 from scorer.index.match import Match
 from scorer.native import NATIVE
-from scorer.policy.cost import BusyOptions, CostModelOptions, dynamo_costs, load_table
+from scorer.policy.cost import BusyOptions, CostModelOptions, FleetInputs, dynamo_costs, load_table
 from scorer.pool.inflight import WorkerLoad
 from scorer.pool.workers import Worker
 
@@ -38,6 +39,8 @@ worker_st = st.fixed_dictionaries(
         "match": st.one_of(st.none(), st.tuples(st.integers(0, 600), st.floats(0.0, 600.0))),
         "stale": st.booleans(),
         "eligible": st.booleans(),
+        # Requests before their first token (step sharing's count; an int, as counted).
+        "prefill_requests": st.integers(0, 5),
     }
 )
 options_st = st.fixed_dictionaries(
@@ -46,6 +49,8 @@ options_st = st.fixed_dictionaries(
         "credit_decay": st.sampled_from([0.0, 0.05, 0.1, 1.0]),
         "duplicate_cost": st.sampled_from([0.0, 0.5, 12.0]),
         "stale_credit": st.sampled_from([0.5, 1.0]),
+        "step_share": st.sampled_from([0.0, 1.0, 2.5]),
+        "step_budget_tokens": st.sampled_from([16, 100, 8192]),
     }
 )
 busy_st = st.one_of(
@@ -67,6 +72,7 @@ def _workers(specs: list[dict[str, Any]]) -> list[Worker]:
         w.inflight.prefill_blocks = spec["prefill"]
         w.inflight.decode_blocks = spec["decode"]
         w.inflight.requests = spec["requests"]
+        w.inflight.prefill_requests = spec.get("prefill_requests", 0)
         if spec["age"] is not None:
             w.scraped.at = NOW - spec["age"]
             w.scraped.waiting = spec["waiting"]
@@ -103,15 +109,46 @@ _ONE = {
     busy=busy_st,
     wrb=st.sampled_from([1.0, 12.0, 512.0]),
     rb=st.sampled_from([0.0, 1.0, 12.0, 512.0]),
+    block_size=st.sampled_from([0, 16]),
+    # The fleet terms' inputs: none, a continuing request, a new session (duplicate off).
+    fleet=st.sampled_from([None, "continuing", "new_session"]),
 )
-@example(specs=[_ONE], options={}, busy={}, wrb=12.0, rb=12.0)
-@example(specs=[_ONE, {**_ONE, "age": None, "match": None}], options={}, busy=None, wrb=1.0, rb=0.0)
+@example(specs=[_ONE], options={}, busy={}, wrb=12.0, rb=12.0, block_size=0, fleet=None)
+@example(
+    specs=[_ONE, {**_ONE, "age": None, "match": None}],
+    options={},
+    busy=None,
+    wrb=1.0,
+    rb=0.0,
+    block_size=0,
+    fleet=None,
+)
+@example(  # step sharing over a queue deeper than the budget, a stale cached worker
+    specs=[{**_ONE, "prefill": 40, "prefill_requests": 3}, {**_ONE, "stale": False}],
+    options={"step_share": 1.0, "step_budget_tokens": 100, "duplicate_cost": 12.0},
+    busy=None,
+    wrb=1.0,
+    rb=12.0,
+    block_size=16,
+    fleet="continuing",
+)
+@example(  # every cached overlap 0: the best held is the best cached one's
+    specs=[{**_ONE, "match": (0, 0.0)}, {**_ONE, "match": None}],
+    options={"duplicate_cost": 12.0},
+    busy=None,
+    wrb=1.0,
+    rb=12.0,
+    block_size=16,
+    fleet=None,
+)
 def test_native_columns_are_the_reference_bits(
     specs: list[dict[str, Any]],
     options: dict[str, Any],
     busy: dict[str, Any] | None,
     wrb: float,
     rb: float,
+    block_size: int,
+    fleet: str | None,
 ) -> None:
     workers = _workers(specs)
     bo = None if busy is None else BusyOptions(**busy)
@@ -133,11 +170,24 @@ def test_native_columns_are_the_reference_bits(
         return stale_of[w.endpoint]
 
     opts = CostModelOptions(**options)
-    a = dynamo_costs(workers, eps, eligible, ref, matches, rb, opts, stale, native=False)
-    b = dynamo_costs(workers, eps, eligible, ref, matches, rb, opts, stale)
-    for col in ("costs", "weighted", "credit", "held"):
+
+    def inputs() -> FleetInputs | None:
+        if fleet is None:
+            return None
+        live = [float(i % 3) for i in eligible] if fleet == "new_session" else None
+        return FleetInputs((0.01, 1e-5, 0.0, 5.0), 0.16, 16, {}, sessions=live)
+
+    a = dynamo_costs(
+        workers, eps, eligible, ref, matches, rb, opts, stale, inputs(), False, block_size
+    )
+    b = dynamo_costs(
+        workers, eps, eligible, ref, matches, rb, opts, stale, inputs(), True, block_size
+    )
+    for col in ("costs", "weighted", "credit", "held", "share"):
         _same(getattr(a, col), getattr(b, col))
-    assert (a.best_held, a.stale, a.stale_any) == (b.best_held, b.stale, b.stale_any)
+    _same([a.best_held], [b.best_held])
+    assert (a.stale, a.stale_any, a.every) == (b.stale, b.stale_any, b.every)
+    assert all(x is y for x, y in zip(a.matches, b.matches, strict=True))
 
 
 def test_native_columns_refuse_what_the_reference_refuses() -> None:
@@ -149,6 +199,17 @@ def test_native_columns_refuse_what_the_reference_refuses() -> None:
         NATIVE.decay_credit([], [], 1.0, 0.1)
     with pytest.raises(ValueError):
         NATIVE.cost_column([1.0], [1.0], [1.0], [1.0], [], 1.0, 1.0, 0.0, 0.0)
+    # cost_core: columns of different lengths, a waiting column too short, an empty fleet
+    # with credit decay (min() of nothing), matches that are not a dict.
+    args: list[Any] = [[None], ["a"], [1.0], [1.0], None, 1.0, 0.1, None, 1.0, 0.0, False]
+    with pytest.raises(ValueError):
+        NATIVE.cost_core([None], ["a"], [1.0], [], *args[4:], 1.0, None, 1.0, False, 0.0)
+    with pytest.raises(ValueError):
+        NATIVE.cost_core(*args, 1.0, [], 1.0, False, 0.0)
+    with pytest.raises(ValueError):
+        NATIVE.cost_core([], [], [], [], *args[4:], 1.0, None, 1.0, False, 0.0)
+    with pytest.raises(TypeError):
+        NATIVE.cost_core(*args[:4], [("a", 1)], *args[5:], 1.0, None, 1.0, False, 0.0)
 
 
 @settings(max_examples=scaled(100))
@@ -183,3 +244,34 @@ def test_longest_prefix_finds_fleet_own_blocks(held: list[int], busy: list[bool]
         return
     eps = cycle.endpoints
     assert own == own_blocks(eps[previous], matches, [eps[i] for i in cycle.eligible])
+
+
+def test_the_compiled_pass_is_the_one_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The differential test above means something only if the native run takes cost_core.
+    import types
+
+    import scorer.policy.cost as cost
+
+    assert cost._NATIVE_COST is not None
+    calls: list[int] = []
+    real = cost._NATIVE_COST
+
+    def core(*args: Any) -> Any:
+        calls.append(1)
+        return real.cost_core(*args)
+
+    workers = _workers([_ONE, {**_ONE, "match": None}])
+    eps = [w.endpoint for w in workers]
+    table = load_table(workers, NOW, STALE_AFTER, 1.0)
+    proxy = types.SimpleNamespace(
+        cost_core=core, decay_credit=real.decay_credit, cost_column=real.cost_column
+    )
+    monkeypatch.setattr(cost, "_NATIVE_COST", proxy)
+    matches = {eps[0]: Match(4, {"GPU": 4}, 4.0)}
+    opts = CostModelOptions(duplicate_cost=12.0, step_share=1.0)
+    dynamo_costs(workers, eps, [0, 1], table, matches, 12.0, opts, None, None, True, 16)
+    assert calls == [1]
+    # medium_credit (weights per medium) is the Python columns' alone.
+    opts = CostModelOptions(medium_credit={"GPU": 1.0})
+    dynamo_costs(workers, eps, [0, 1], table, matches, 12.0, opts, None, None, True, 16)
+    assert calls == [1]

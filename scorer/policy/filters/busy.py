@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from scorer.policy.cost import BusyOptions, load_table
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from scorer.policy.cost import BusyOptions, BusyRule, load_table
 from scorer.policy.plugin import Cycle, Filter, plugin
+
+if TYPE_CHECKING:
+    from scorer.policy.base import PolicyContext
 
 
 @plugin("busy")
@@ -16,13 +22,20 @@ class BusyFilter(Filter):
     options: BusyOptions
     consumes = frozenset({"load"})
 
+    def __init__(
+        self, ctx: PolicyContext, options: BusyOptions, clock: Callable[[], float]
+    ) -> None:
+        super().__init__(ctx, options, clock)
+        # The thresholds read once (the profile hands them to the load table's pass).
+        self.rule = BusyRule(options)
+
     def sheds(self) -> bool:
-        return self.options.shed_when_busy
+        return self.rule.shed_when_busy
 
     def filter(self, cycle: Cycle) -> None:
         # The load table applies the busy rule in its one pass when the profile handed it
         # these thresholds (cycle.busy); a second busy filter computes its own.
-        if cycle.busy is self.options:
+        if cycle.busy is self.rule:
             flags = cycle.load.busy
         else:
             flags = load_table(
@@ -30,7 +43,7 @@ class BusyFilter(Filter):
                 cycle.now,
                 cycle.stale_after_s,
                 cycle.waiting_request_blocks,
-                self.options,
+                self.rule,
             ).busy
         assert flags is not None
         f = cycle.filtered

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from itertools import islice
-from operator import attrgetter
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from scorer.policy.approx_index import ApproxIndex
-from scorer.policy.cost import CostModelOptions, FleetInputs, dynamo_costs
+from scorer.policy.cost import CostModelOptions, CostParams, FleetInputs, dynamo_costs
 from scorer.policy.fleet import CacheLife, Conversations, Sessions, life_factor, own_blocks
 from scorer.policy.parts import IndexLike, MatchLike
 from scorer.policy.plugin import Cycle, Scorer, plugin
@@ -44,8 +42,6 @@ class DynamoCostOptions(CostModelOptions):
     max_keys: int = Field(1_000_000, ge=1)
 
 
-_blocks = attrgetter("blocks")
-
 # Prompt tokens vLLM prefills per engine step by default (max_num_batched_tokens: 8,192
 # for the OpenAI server on a >= 70 GiB GPU, 2,048 on smaller ones; EngineArgs.
 # get_batch_defaults in vllm/engine/arg_utils.py): a long prompt's blocks are stored, and
@@ -65,6 +61,14 @@ class DynamoCost(Scorer):
         self, ctx: PolicyContext, options: DynamoCostOptions, clock: Callable[[], float]
     ) -> None:
         super().__init__(ctx, options, clock)
+        # The options and config each decision reads, read once (an attribute of a
+        # pydantic model goes through its __getattr__ hook, ~350 instructions a read;
+        # options are frozen).
+        self.p = CostParams(options)
+        self._speculative = options.speculative
+        self._grace_s = options.stale_events_grace_s
+        self._stale_after_s = ctx.config.events.stale_after_s
+        self._now = 0.0  # the decision being scored (stream_stale's clock, _stale)
         self._born = time.monotonic()
         # endpoint -> (the stream's last_event_at when we first routed there since it,
         #              the time of that first routing): "served while silent".
@@ -127,11 +131,8 @@ class DynamoCost(Scorer):
         """The cost of every eligible candidate (scorer.policy.cost.dynamo_costs)."""
         stale: Callable[[Worker], bool] | None = None
         if self.approx is None and self.ctx.parts.events is not None:
-            now = cycle.now
-
-            def stale(w: Worker) -> bool:
-                return self.stream_stale(w, now)
-
+            self._now = cycle.now
+            stale = self._stale  # (a bound method, not a closure per decision)
         matches = cycle.matches(self.index())
         table = dynamo_costs(
             cycle.candidates,
@@ -140,7 +141,7 @@ class DynamoCost(Scorer):
             cycle.load,
             matches,
             cycle.request_blocks,
-            self.options,
+            self.p,
             stale,
             self.fleet(cycle, matches) if self._fleet_on else None,
             block_size=cycle.block_size,
@@ -149,9 +150,13 @@ class DynamoCost(Scorer):
         cycle.stale_any = table.stale_any
         return table.costs
 
+    def _stale(self, w: Worker) -> bool:
+        """stream_stale at the decision being scored (`costs` sets `_now`)."""
+        return self.stream_stale(w, self._now)
+
     def fleet(self, cycle: Cycle, matches: Mapping[str, MatchLike]) -> FleetInputs:
         """This decision's inputs of the fleet terms (scorer.policy.cost.FleetInputs)."""
-        o = self.options
+        o = self.p
         model = self.ctx.parts.prefill or self._model
         bs = cycle.block_size
         now = cycle.now
@@ -283,7 +288,11 @@ class DynamoCost(Scorer):
         mine = ss.live(last)
         own = ss.weight(sid)
         mean = sum(live) / len(live)
-        if mine > (1.0 + self.options.session_rebalance) * mean and mine - own > min(live) + own:
+        lo = live[0]  # min(live)
+        for x in live:
+            if x < lo:
+                lo = x
+        if mine > (1.0 + self.p.session_rebalance) * mean and mine - own > lo + own:
             return i
         return None
 
@@ -332,15 +341,28 @@ class DynamoCost(Scorer):
             held = {e: m for i in cycle.eligible if (m := matches.get(e := eps[i])) is not None}
         if not held:
             return None, None
-        blocks = list(map(_blocks, held.values()))
-        top = max(blocks)
+        # The longest (its first holder), whether another holds as much, and the longest
+        # of the others (max over them, 0 when none): one loop, no list, no max().
+        ep: str | None = None
+        top = 0
+        second: int | None = None
+        tied = False
+        for e, m in held.items():
+            b = m.blocks
+            if ep is None:
+                ep, top = e, b
+            elif b > top:
+                ep, top, second, tied = e, b, top, False
+            else:
+                if b == top:
+                    tied = True
+                if second is None or b > second:
+                    second = b
         # A prefix held by several workers (a shared system prompt) names no one turn.
-        if top <= 0 or blocks.count(top) > 1 or top < self.options.continuity_min_match * len(keys):
+        if ep is None or top <= 0 or tied or top < self.p.continuity_min_match * len(keys):
             return None, None
-        j = blocks.index(top)
-        ep = next(islice(held, j, None))  # (no list of every key)
-        del blocks[j]
-        return ep, max(top - max(blocks, default=0), 0)
+        own = top - (0 if second is None else second)
+        return ep, (own if own > 0 else 0)
 
     def stream_stale(self, w: Worker, now: float) -> bool:
         """True when `w`'s event stream went silent while serving, or has an unrecovered gap."""
@@ -357,10 +379,7 @@ class DynamoCost(Scorer):
         if seen is None or seen[0] != st.last_event_at:
             return False  # no routing since the last event we know of
         last = st.last_event_at if st.last_event_at is not None else self._born
-        return (
-            now - last > self.ctx.config.events.stale_after_s
-            and now - seen[1] > self.options.stale_events_grace_s
-        )
+        return now - last > self._stale_after_s and now - seen[1] > self._grace_s
 
     def commit(self, cycle: Cycle, winner: int) -> None:
         keys = cycle.request.block_keys
@@ -368,7 +387,7 @@ class DynamoCost(Scorer):
         ep = w.endpoint
         ss = self.sessions
         if ss is not None:
-            weight = cycle.request_blocks if self.options.session_weight == "blocks" else 1.0
+            weight = cycle.request_blocks if self.p.session_weight == "blocks" else 1.0
             if cycle.request.session_id:
                 self._count_turn(ss.get(cycle.request.session_id, cycle.now) is None)
                 ss.put(cycle.request.session_id, ep, cycle.now, weight)
@@ -416,7 +435,7 @@ class DynamoCost(Scorer):
                     for gone in [e for e in since if e not in self.ctx.pool.workers]:
                         del since[gone]
                 since[ep] = (last, self.clock())
-        if self.options.speculative and keys:
+        if self._speculative and keys:
             idx = self.index()
             if idx is not None:
                 wait_s, block_s = self._prefill_timing(cycle, winner)
@@ -440,7 +459,12 @@ class DynamoCost(Scorer):
             a, b, hi = model.a, model.b, model.max_s
         bs = cycle.block_size
         wait = a + b * queue * bs if queue > 0.0 else a
-        return min(max(wait, 0.0), hi), max(b, 0.0) * bs
+        # min(max(wait, 0.0), hi), max(b, 0.0), as the builtins choose (no keyword parse)
+        if wait < 0.0:
+            wait = 0.0
+        if hi < wait:
+            wait = hi
+        return wait, (0.0 if b < 0.0 else b) * bs
 
     def _record_life(self, cycle: Cycle, w: Worker, keys: list[int]) -> None:
         """The winner's written blocks (its eviction rate once full) and chain time."""
