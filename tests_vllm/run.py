@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -1002,7 +1003,9 @@ def _hashable(h: Any) -> Any:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--out", type=Path, default=ROOT / "tests_vllm" / "out")
-    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    # VLLM_VENV: the same variable tests_vllm/setup_venv.sh installs into (relative to the root).
+    venv = ROOT / os.environ.get("VLLM_VENV", ".venv-vllm")
+    p.add_argument("--vllm-python", default=str(venv / "bin" / "python"))
     p.add_argument("--phases", default=",".join(PHASES), type=lambda s: s.split(","))
     p.add_argument("--num-blocks", type=int, default=96)
     p.add_argument("--max-model-len", type=int, default=2048)
