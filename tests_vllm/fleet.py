@@ -111,10 +111,13 @@ class Worker:
             "--dtype",
             "float32",
             "--enforce-eager",
-            # On CPU this is the share of memory reserved (start-up fails when that much is
-            # not free); the KV cache is sized by --num-gpu-blocks-override anyway.
-            "--gpu-memory-utilization",
-            "0.05",
+            # An explicit KV size instead of --gpu-memory-utilization: on CPU that is a share
+            # of the NUMA node's memory (/sys/devices/system/node), which on a VM can be far
+            # below `free`'s total, and start-up fails when the share minus the process's RSS
+            # is negative (vllm/v1/worker/cpu_worker.py determine_available_memory). The
+            # blocks are --num-gpu-blocks-override's anyway; this only has to cover them.
+            "--kv-cache-memory-bytes",
+            str(256 << 20),
             "--seed",
             "0",
             "--kv-events-config",
