@@ -32,7 +32,9 @@ def test_sim_that_lost_its_port_is_restarted_on_fresh_ports(
         fleet.start(timeout_s=60.0)
         assert fleet.specs[0].port != taken.getsockname()[1]
         assert fleet.procs[0].alive()
-        assert fleet.procs[0].name == "sim0-retry1"
+        # retry1 at least: a fresh port can be taken again by another process meanwhile
+        # (free_port's race), and the fleet then retries once more.
+        assert fleet.procs[0].name.startswith("sim0-retry")
     finally:
         group.stop_all()
         taken.close()
@@ -54,7 +56,7 @@ def test_sim_that_lost_its_event_port_is_restarted_on_fresh_ports(
     try:
         fleet.start(timeout_s=60.0)
         assert fleet.specs[0].events_port != taken.getsockname()[1]
-        assert fleet.procs[0].name == "sim0-retry1" and fleet.procs[0].alive()
+        assert fleet.procs[0].name.startswith("sim0-retry") and fleet.procs[0].alive()
         assert len([p for p in group.procs if p.alive()]) == 1  # the first one stopped
     finally:
         group.stop_all()
