@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import queue
-import re
 import resource
 import shutil
 import subprocess
@@ -45,8 +44,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# (this script's folder is on sys.path as it runs: bench/callgrind.py imports nothing of
+# the project, so PYTHONPATH=<another tree> still picks that tree's scorer)
+from callgrind import control, instructions
+
 ROOT = Path(__file__).resolve().parents[1]
-TOTALS = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
 
 # ---- the scorer side (child) ----------------------------------------------------------------
@@ -172,17 +174,6 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def control(pid: int, *args: str) -> None:
-    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
-
-
-def instructions(dump: Path) -> int:
-    m = TOTALS.search(dump.read_bytes())
-    if m is None:
-        raise RuntimeError(f"no totals in {dump}")
-    return int(m.group(1))
 
 
 async def measure(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:

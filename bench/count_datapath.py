@@ -39,9 +39,8 @@ COLLECTED = re.compile(rb"Collected : (\d+)")
 def reads(n: int) -> list[tuple[bytes, bytes]]:
     """Per request: the read with the stream and its three messages, the read ending it."""
     from hpack import Encoder
-    from profile_datapath import PM, data_frame, message
+    from profile_datapath import CALL_HEADERS, PM, data_frame, message
 
-    from scorer.extproc.servicer import PROCESS_PATH
     from scorer.extproc.transport import frames as F
 
     enc = Encoder()
@@ -50,16 +49,7 @@ def reads(n: int) -> list[tuple[bytes, bytes]]:
     out = []
     for r in range(n):
         sid = 2 * r + 1
-        block = enc.encode(
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", PROCESS_PATH),
-                (":authority", "ext_proc"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ]
-        )
+        block = enc.encode(CALL_HEADERS)
         first = (
             F.frame(F.HEADERS, F.END_HEADERS, sid, block)
             + data_frame(sid, message("request_headers", r, mode=PM.FULL_DUPLEX_STREAMED))

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,11 +43,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_extproc import Conn  # noqa: E402
 from bench_overhead import LOCAL_SHAPES, TokenizerScorerRun, prompts, request_bytes  # noqa: E402
+from callgrind import control, instructions  # noqa: E402
 
 from kvscorer_tools.bench.e2e import E2ESettings, SimFleet  # noqa: E402
 from kvscorer_tools.bench.procs import ProcGroup, kv_scorer_argv  # noqa: E402
-
-TOTALS = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.M)
 
 
 class CallgrindScorerRun(TokenizerScorerRun):
@@ -83,18 +80,6 @@ class CallgrindScorerRun(TokenizerScorerRun):
         ]  # fmt: skip
         self.scorer = self.group.start(f"scorer-{self.policy}", argv)
         return self
-
-
-def control(pid: int, *args: str) -> None:
-    subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
-
-
-def instructions(dump: Path) -> int:
-    """Total Ir of one callgrind dump file."""
-    m = TOTALS.search(dump.read_bytes())
-    if m is None:
-        raise RuntimeError(f"no totals in {dump}")
-    return int(m.group(1))
 
 
 async def send(port: int, reqs: list[bytes]) -> int:

@@ -33,7 +33,6 @@ import profile_datapath as pd  # noqa: E402
 from hpack import Encoder  # noqa: E402
 
 from scorer.app import App  # noqa: E402
-from scorer.extproc.servicer import PROCESS_PATH  # noqa: E402
 from scorer.extproc.transport import H2Connection  # noqa: E402
 from scorer.extproc.transport import frames as F  # noqa: E402
 
@@ -65,16 +64,7 @@ async def run(chunks: int, profile: bool) -> dict[str, Any]:
     conn.connection_made(t)
     conn.data_received(F.PREFACE + F.frame(F.SETTINGS, 0, 0))
     sid = 1
-    block = Encoder().encode(
-        [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", PROCESS_PATH),
-            (":authority", "x"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
-    )
+    block = Encoder().encode(pd.CALL_HEADERS)
     hmsg = pd.message("request_headers", 0, mode=pd.PM.FULL_DUPLEX_STREAMED)
     conn.data_received(F.frame(F.HEADERS, F.END_HEADERS, sid, block) + pd.data_frame(sid, hmsg))
     await settle()

@@ -74,6 +74,15 @@ from scorer.extproc.transport import frames as F  # noqa: E402
 from scorer.extproc.transport.tls_transport import TlsTransport  # noqa: E402
 
 PM = processing_mode_pb2.ProcessingMode
+# The ext_proc call's request headers, as a gRPC client (Envoy) opens the stream.
+CALL_HEADERS = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", PROCESS_PATH),
+    (":authority", "ext_proc"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+]
 STAGES = ("frame", "decode", "director", "encode", "tls", "write", "other")
 WORKERS = ["127.0.0.1:7001", "127.0.0.1:7002"]
 
@@ -364,16 +373,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.requests + args.warmup):
         if r == args.warmup:
             samples.clear()
-        block = enc.encode(
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", PROCESS_PATH),
-                (":authority", "ext_proc"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-            ]
-        )
+        block = enc.encode(CALL_HEADERS)
         head = F.frame(F.HEADERS, F.END_HEADERS, sid, block)
         # FULL_DUPLEX_STREAMED: the headers are answered after the body (the routing
         # answer, then the body streamed back); BUFFERED: at once.
