@@ -1910,3 +1910,138 @@ def chunk_lane(conn, s, object data, Py_ssize_t start, Py_ssize_t end, tuple lan
     if big:
         conn.big_sid = 0
     return True
+
+
+# ---------------------------------------------------------------- ext_proc request frames
+# `frame_lane` is `H2Connection.receive`'s frame loop (what follows its buffering and the
+# connection preface), with `queue_message` + `grant` compiled in (`_queue`): the lean
+# shape's request messages (each one whole message in a DATA frame without flags) are
+# queued for the handler without a Python frame per DATA frame. Every other frame goes to
+# the Python handlers the loop calls (`on_frame`, and `one_message` / the chunk lane for a
+# stream answered in the frame loop), in the same order, with the same arguments. `_queue`
+# decides from the same state and changes the same state in the same order as
+# `queue_message`; when a check fails it changes nothing and `on_frame` takes the frame.
+
+cdef Py_ssize_t _OUR_MAX_FRAME = 1024 * 1024  # scorer/extproc/transport/limits.py
+cdef int _FRAME_SIZE_ERROR = 0x6  # scorer/extproc/transport/frames.py
+
+
+cdef int _queue(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end) except -1:
+    """`H2Connection.queue_message` for `data[start:end]` (length > 5): 1 when queued,
+    0 with nothing changed."""
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t flow_len = end - start
+    cdef Py_ssize_t n = flow_len - 5
+    if p[start] != 0 or <Py_ssize_t>kv_be32(p + start + 1) != n:
+        return 0
+    if n > conn.server.max_message:
+        return 0
+    if s._half_closed or s._buf or s._sizes is None:
+        return 0
+    cdef Py_ssize_t unacked = s._unacked
+    cdef Py_ssize_t recv_unacked = conn.recv_unacked
+    cdef Py_ssize_t buffered = conn.buffered
+    if unacked + flow_len > _RECV_WINDOW or recv_unacked + flow_len > _CONN_RECV_WINDOW:
+        return 0
+    if buffered + flow_len > conn.limits.max_buffered:
+        return 0
+    deserialize = s._deserialize
+    raw = PyBytes_FromStringAndSize(<const char*>p + start + 5, n)
+    if deserialize is None:
+        msg = raw
+    else:
+        try:
+            msg = deserialize(raw)
+        except Exception:
+            return 0  # the general path reports it
+    conn.recv_unacked = recv_unacked + flow_len
+    s._unacked = unacked + flow_len
+    s._held += flow_len
+    conn.buffered = buffered + flow_len
+    s._msgs.append(msg)
+    s._sizes.append(flow_len)
+    # grant(s, flow_len): below both batching thresholds it only adds the credit.
+    cc = conn.conn_credit + flow_len
+    c = s._credit + flow_len
+    if cc < _CONN_RECV_WINDOW // 4 and c < _RECV_WINDOW // 4:
+        conn.conn_credit = cc
+        s._credit = c
+    else:
+        conn.grant(s, flow_len)
+    if conn.big_sid == s.sid:
+        conn.big_sid = 0  # its message is complete
+    if s.handler is not None:
+        s.start()
+    else:
+        s._wake()
+    return 1
+
+
+def queue_lane(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end):
+    """`H2Connection.queue_message(s, data, start, end)` compiled (what `frame_lane` runs
+    for a DATA frame without flags on a stream not answered in the frame loop): True when
+    the message was queued, accounted exactly as the Python method does; False, nothing
+    changed, when it does not apply."""
+    if start < 0 or end > len(data) or end - start <= 5:
+        return False
+    return _queue(conn, s, data, start, end) == 1
+
+
+def frame_lane(conn, object data):
+    """`H2Connection.receive`'s frame loop over `data` (bytes, after the buffered bytes
+    and the preface were handled): parses each frame's header, queues one-message DATA
+    frames (`queue_message`), hands a stream answered in the frame loop's frame to
+    `conn.chunk_lane` / `conn.one_message` and every other frame to `conn.on_frame`; keeps
+    an incomplete frame in `conn.buf`. False (nothing done) when `data` is not bytes: the
+    Python loop then runs."""
+    if type(data) is not bytes:
+        return False
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = len(data), pos = 0, length, end
+    cdef int ftype, flags
+    cdef Py_ssize_t sid
+    cdef object view = None
+    cdef dict streams = conn.streams
+    lane = conn.chunk_lane
+    while n - pos >= 9:
+        length = (<Py_ssize_t>p[pos] << 16) | (<Py_ssize_t>p[pos + 1] << 8) | p[pos + 2]
+        ftype = p[pos + 3]
+        flags = p[pos + 4]
+        sid = <Py_ssize_t>(kv_be32(p + pos + 5) & 0x7FFFFFFF)
+        if length > _OUR_MAX_FRAME:
+            conn.abort_connection("frame too large", _FRAME_SIZE_ERROR)
+            return True
+        if n - pos < 9 + length:
+            conn.need = 9 + length
+            break
+        end = pos + 9 + length
+        if ftype == 0 and flags == 0 and length > 5 and not conn.cont_sid:
+            # The one-message lane (see receive).
+            s = streams.get(sid)
+            if s is not None:
+                if s.fast is not None:
+                    if (
+                        (s.lane is not None
+                         and lane is not None
+                         and lane(conn, s, data, pos + 9, end, s.lane))
+                        or conn.one_message(s, data, pos + 9, end)
+                    ):
+                        pos = end
+                        continue
+                elif _queue(conn, s, <bytes>data, pos + 9, end):
+                    pos = end
+                    continue
+        if view is None:
+            view = memoryview(data)
+        payload = view[pos + 9 : end]
+        pos = end
+        if conn.on_frame(ftype, flags, sid, payload) is False:
+            return True
+    else:
+        conn.need = 9
+    if pos < n:
+        if view is None:
+            view = memoryview(data)
+        buf = conn.buf
+        buf += view[pos:]
+    return True

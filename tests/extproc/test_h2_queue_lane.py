@@ -1,6 +1,7 @@
-"""The one-message lane's queueing (`H2Connection.queue_message`) against the general
-path (`on_data_frame` + `H2Stream.on_data`): the same frames, fed read by read with the
-lane on and off, give the same bytes out, the same flow-control and memory accounting
+"""The one-message lane's queueing (`H2Connection.queue_message`, and the compiled frame
+loop `frame_lane` with its compiled copy) against the general path (`on_data_frame` +
+`H2Stream.on_data`): the same frames, fed read by read with the lane on (Python or
+compiled) and off, give the same bytes out, the same flow-control and memory accounting
 after every read, and the same messages to the handler."""
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from scorer.extproc.transport import EOF, H2Connection, H2GrpcServer, StreamCont
 from scorer.extproc.transport import frames as F
 
 PATH = "/t.S/Keep"
+# The methods the runs spy on (each run patches the class again: not the last run's spy).
+QUEUE_MESSAGE = H2Connection.queue_message
+ON_DATA_FRAME = H2Connection.on_data_frame
 TYPED = "/t.S/Typed"
 
 
@@ -104,7 +108,8 @@ def state(conn: H2Connection) -> tuple[Any, ...]:
     )
 
 
-async def run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+async def run(lane: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """`lane`: "python" (queue_message), "compiled" (frame_lane) or "off"."""
     got: list[tuple[str, Any]] = []
 
     async def keep(_: Any, stream: StreamContext) -> None:
@@ -117,18 +122,30 @@ async def run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
             got.append(("typed", m.service))
 
     used = []
-    queue = H2Connection.queue_message
+    queue = QUEUE_MESSAGE
 
     def spy(self: H2Connection, *a: Any) -> bool:
-        taken = queue(self, *a) if lane else False
+        taken = queue(self, *a) if lane == "python" else False
         used.append(taken)
         return taken
 
+    general: list[int] = []  # DATA frames the general path took
+    on_data_frame = ON_DATA_FRAME
+
+    def counted(self: H2Connection, *a: Any) -> bool:
+        general.append(len(a[2]))
+        return on_data_frame(self, *a)
+
     monkeypatch.setattr(H2Connection, "queue_message", spy)
+    monkeypatch.setattr(H2Connection, "on_data_frame", counted)
     server = H2GrpcServer(max_buffered=4000)
     server.add_handler(PATH, keep)
     server.add_handler(TYPED, typed, health_pb2.HealthCheckRequest.FromString)
     conn = H2Connection(server)
+    if lane == "compiled":
+        assert conn.frame_lane is not None  # `make` builds it
+    else:
+        conn.frame_lane = None
     sink = Sink()
     conn.connection_made(sink)
     states = []
@@ -138,7 +155,7 @@ async def run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
         for _ in range(5):  # bounded: the handlers read what was queued
             await asyncio.sleep(0)
         states.append(state(conn))
-    assert any(used) == lane
+    assert any(used) == (lane == "python")
     before = bytes(sink.data)
     for s in list(server.calls):
         s.interrupt()
@@ -149,7 +166,8 @@ async def run(lane: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
     assert not server.calls
     # The cancelled handlers' closing frames come in the order of the server's call set
     # (object addresses): compared as a set of frames, not as a byte sequence.
-    return before + b"".join(sorted(split_frames(sink.data[len(before) :]))), states, got
+    closing = b"".join(sorted(split_frames(sink.data[len(before) :])))
+    return before + closing, states, got, general
 
 
 def split_frames(data: bytes | bytearray) -> list[bytes]:
@@ -164,9 +182,14 @@ def split_frames(data: bytes | bytearray) -> list[bytes]:
 
 
 async def test_queue_lane_matches_the_general_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    with_lane = await run(True, monkeypatch)
-    without = await run(False, monkeypatch)
-    assert with_lane[0] == without[0]
-    assert with_lane[1] == without[1]
-    assert with_lane[2] == without[2]
+    with_lane = await run("python", monkeypatch)
+    compiled = await run("compiled", monkeypatch)
+    without = await run("off", monkeypatch)
+    for got in (with_lane, compiled):
+        assert got[0] == without[0]
+        assert got[1] == without[1]
+        assert got[2] == without[2]
     assert ("raw", b"one") in with_lane[2] and ("typed", "s") in with_lane[2]
+    # The compiled lane queued what the Python one did: the rest went the general way.
+    assert compiled[3] == with_lane[3]
+    assert len(with_lane[3]) < len(without[3])
