@@ -1987,6 +1987,77 @@ def queue_lane(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end):
     return _queue(conn, s, data, start, end) == 1
 
 
+cdef object _EOF = None  # scorer.extproc.transport.stream.EOF (grpc.aio's), on first use
+cdef Py_ssize_t _MAX_WINDOW = 2**31 - 1
+
+
+cdef object _frame(conn, int ftype, int flags, Py_ssize_t sid, object payload,
+                   const uint8_t* p, Py_ssize_t length):
+    """`conn.on_frame(ftype, flags, sid, payload)` (payload at `p`, `length` bytes), with
+    its dispatch and the lean shape's frames compiled: HEADERS of one whole header block
+    (`on_headers_frame` down to `on_header_block`), the empty DATA frame ending a stream
+    (`on_data_frame` + `H2Stream.on_data`), WINDOW_UPDATE on the connection (Envoy's
+    after each request) and RST_STREAM. Anything else, or any check that would fail, goes
+    to the Python method that handles it, from unchanged state."""
+    global _EOF
+    if conn.cont_sid:
+        return conn.on_frame(ftype, flags, sid, payload)
+    if ftype == 0:  # DATA
+        if flags == 1 and length == 0 and sid != 0:
+            # on_data_frame for an empty END_STREAM: no bytes to account; on_data queues
+            # EOF and starts or wakes the handler.
+            s = (<dict>conn.streams).get(sid)
+            if (
+                s is not None
+                and not s._half_closed
+                and not s._buf
+                and conn.recv_unacked <= _CONN_RECV_WINDOW
+                and s._unacked <= _RECV_WINDOW
+            ):
+                if _EOF is None:
+                    from scorer.extproc.transport.stream import EOF as eof
+                    _EOF = eof
+                s._half_closed = True
+                s._msgs.append(_EOF)
+                if s.handler is not None:
+                    s.start()
+                else:
+                    s._wake()
+                return True
+        return conn.on_data_frame(flags, sid, payload)
+    if ftype == 1:  # HEADERS
+        if (
+            flags & 0x2C == 0x04  # END_HEADERS, neither PADDED nor PRIORITY
+            and sid != 0
+            and length <= conn.limits.max_header_list
+            and conn.settings_seen
+        ):
+            return conn.on_header_block(sid, flags, PyBytes_FromStringAndSize(<const char*>p, length))
+        return conn.on_headers_frame(flags, sid, payload)
+    if ftype == 4 or ftype == 9 or not conn.settings_seen:  # SETTINGS, CONTINUATION
+        return conn.on_frame(ftype, flags, sid, payload)
+    cdef Py_ssize_t inc, window
+    if ftype == 8:  # WINDOW_UPDATE
+        if sid == 0 and length == 4:
+            inc = <Py_ssize_t>(kv_be32(p) & 0x7FFFFFFF)
+            window = conn.send_window
+            if inc != 0 and window + inc <= _MAX_WINDOW:
+                conn.send_window = window + inc
+                if conn.window_waiters:
+                    conn.wake_writers()
+                return True
+        return conn.on_window_update(sid, payload)
+    if ftype == 3 and length == 4 and sid != 0 and sid <= conn.last_sid:  # RST_STREAM
+        s = (<dict>conn.streams).get(sid)
+        if s is not None:
+            conn.drop(s)
+            s.on_reset()
+            if s.handler is None and not s._headers_sent:  # started, unanswered
+                return conn.premature_reset()
+        return True
+    return conn.on_frame(ftype, flags, sid, payload)
+
+
 def frame_lane(conn, object data):
     """`H2Connection.receive`'s frame loop over `data` (bytes, after the buffered bytes
     and the preface were handled): parses each frame's header, queues one-message DATA
@@ -2035,7 +2106,7 @@ def frame_lane(conn, object data):
             view = memoryview(data)
         payload = view[pos + 9 : end]
         pos = end
-        if conn.on_frame(ftype, flags, sid, payload) is False:
+        if _frame(conn, ftype, flags, sid, payload, p + end - length, length) is False:
             return True
     else:
         conn.need = 9
