@@ -2116,3 +2116,72 @@ def frame_lane(conn, object data):
         buf = conn.buf
         buf += view[pos:]
     return True
+
+
+# ---------------------------------------------------------------- ext_proc answers
+# `write_lane` is `H2Stream.write_now` (what `H2Stream.write` runs for every answer that
+# fits one DATA frame): the same checks, the same frames queued by the same sends (the
+# response HEADERS once, then one DATA frame), the same window and balance updates.
+
+cdef object _RESPONSE_HEADERS_FRAME = None  # frame(HEADERS, END_HEADERS, 0, RESPONSE_HEADERS)
+
+
+cdef inline _send(conn, bytes out):
+    """`H2Connection.send(out)`."""
+    if conn.closed:
+        return
+    (<list>conn.out).append(out)
+    if not conn.flush_scheduled and not conn.receiving:
+        conn.flush_scheduled = True
+        conn.loop.call_soon(conn.flush)
+
+
+def write_lane(s, object data):
+    """`s.write_now(data)` for H2Stream `s` (data: one serialized response message): True
+    when it was queued as one DATA frame (after the response HEADERS, the first time),
+    False with nothing changed when it has to wait."""
+    global _RESPONSE_HEADERS_FRAME
+    if type(data) is not bytes:
+        return s.write_now(data)
+    conn = s.conn
+    cdef Py_ssize_t m = len(<bytes>data)
+    cdef Py_ssize_t n = m + 5
+    if (
+        n > conn.peer_max_frame
+        or n > conn.send_window
+        or n > conn.peer_initial_window + s.send_credit
+        or conn.write_paused is not None
+        or s._done
+    ):
+        return False
+    cdef Py_ssize_t sid = s.sid
+    cdef uint8_t* o
+    if not s._headers_sent:
+        s._headers_sent = True
+        conn.reset_balance += 1  # an answered stream (rapid reset accounting)
+        if _RESPONSE_HEADERS_FRAME is None:
+            from scorer.extproc.transport.hpack_codec import RESPONSE_HEADERS
+            from scorer.extproc.transport.frames import END_HEADERS, HEADERS, frame
+            _RESPONSE_HEADERS_FRAME = frame(HEADERS, END_HEADERS, 0, RESPONSE_HEADERS)
+        hdr = PyBytes_FromStringAndSize(
+            PyBytes_AS_STRING(<bytes>_RESPONSE_HEADERS_FRAME), len(<bytes>_RESPONSE_HEADERS_FRAME)
+        )
+        o = <uint8_t*>PyBytes_AS_STRING(hdr)
+        o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
+        o[8] = <uint8_t>sid
+        _send(conn, hdr)
+    # DATA_MSG.pack((n << 8) | DATA, 0, sid, 0, n - 5) + data
+    out = PyBytes_FromStringAndSize(NULL, 9 + n)
+    o = <uint8_t*>PyBytes_AS_STRING(out)
+    o[0] = <uint8_t>(n >> 16); o[1] = <uint8_t>(n >> 8); o[2] = <uint8_t>n
+    o[3] = 0; o[4] = 0
+    o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
+    o[8] = <uint8_t>sid
+    o[9] = 0
+    o[10] = <uint8_t>(m >> 24); o[11] = <uint8_t>(m >> 16); o[12] = <uint8_t>(m >> 8)
+    o[13] = <uint8_t>m
+    memcpy(o + 14, PyBytes_AS_STRING(<bytes>data), m)
+    _send(conn, out)
+    conn.send_window -= n
+    s.send_credit -= n
+    return True

@@ -83,6 +83,10 @@ CHUNK_LANE: Callable[..., bool] | None = NATIVE.chunk_lane if NATIVE is not None
 FRAME_LANE: Callable[[H2Connection, bytes], bool] | None = (
     NATIVE.frame_lane if NATIVE is not None else None
 )
+# `H2Stream.write_now` compiled (`write_lane`), as `H2Stream.write` runs it. None: Python.
+WRITE_LANE: Callable[[H2Stream, bytes], bool] | None = (
+    NATIVE.write_lane if NATIVE is not None else None
+)
 
 
 # Ended streams remembered per connection (bounded memory; older ones are ignored as any
@@ -163,6 +167,7 @@ class H2Connection(asyncio.BufferedProtocol):
         self.write_paused: asyncio.Future[None] | None = None
         self.chunk_lane = CHUNK_LANE  # None in the tests' reference runs
         self.frame_lane = FRAME_LANE  # likewise
+        self.write_lane = WRITE_LANE  # likewise
 
     # ------------------------------------------------------------ asyncio.Protocol
 
