@@ -1926,6 +1926,32 @@ cdef Py_ssize_t _OUR_MAX_FRAME = 1024 * 1024  # scorer/extproc/transport/limits.
 cdef int _FRAME_SIZE_ERROR = 0x6  # scorer/extproc/transport/frames.py
 
 
+cdef inline _schedule(conn, s):
+    """`H2Stream.schedule`: step the task-less handler at the end of this read."""
+    if s._ready:
+        return
+    s._ready = True
+    if conn.receiving:
+        (<list>conn.ready).append(s)
+    else:
+        conn.loop.call_soon(s.step)
+
+
+cdef inline _start_or_wake(conn, s):
+    """`H2Stream.start` when the handler has not started, else `H2Stream._wake`."""
+    handler = s.handler
+    if handler is not None:
+        s.handler = None
+        s._coro = conn.server.run(s, handler)
+        _schedule(conn, s)
+        return
+    w = s._waiter
+    if w is not None and not w.done():
+        w.set_result(None)
+        if s._coro is not None:
+            _schedule(conn, s)
+
+
 cdef int _queue(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end) except -1:
     """`H2Connection.queue_message` for `data[start:end]` (length > 5): 1 when queued,
     0 with nothing changed."""
@@ -1970,10 +1996,7 @@ cdef int _queue(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end) except -1
         conn.grant(s, flow_len)
     if conn.big_sid == s.sid:
         conn.big_sid = 0  # its message is complete
-    if s.handler is not None:
-        s.start()
-    else:
-        s._wake()
+    _start_or_wake(conn, s)
     return 1
 
 
@@ -2019,10 +2042,7 @@ cdef object _frame(conn, int ftype, int flags, Py_ssize_t sid, object payload,
                     _EOF = eof
                 s._half_closed = True
                 s._msgs.append(_EOF)
-                if s.handler is not None:
-                    s.start()
-                else:
-                    s._wake()
+                _start_or_wake(conn, s)
                 return True
         return conn.on_data_frame(flags, sid, payload)
     if ftype == 1:  # HEADERS
@@ -2116,6 +2136,36 @@ def frame_lane(conn, object data):
         buf = conn.buf
         buf += view[pos:]
     return True
+
+
+def step_lane(conn):
+    """`H2Connection.step_ready` with `H2Stream.step`'s common case compiled (resume the
+    handler's coroutine; a handler with a cancellation due goes to the Python `step`)."""
+    cdef list ready
+    while conn.ready:
+        ready = conn.ready
+        conn.ready = []
+        for s in ready:
+            if s._interrupted:
+                s.step()
+                continue
+            s._ready = False
+            coro = s._coro
+            if coro is None:
+                continue
+            w = s._waiter
+            if w is not None and not w.done():
+                continue  # not woken: nothing to resume it with
+            try:
+                fut = coro.send(None)
+            except StopIteration:
+                s._coro = None
+                continue
+            except BaseException:
+                s._coro = None
+                raise
+            if fut is not s._waiter or fut is None:
+                s.promote(fut)
 
 
 # ---------------------------------------------------------------- ext_proc answers

@@ -83,6 +83,10 @@ CHUNK_LANE: Callable[..., bool] | None = NATIVE.chunk_lane if NATIVE is not None
 FRAME_LANE: Callable[[H2Connection, bytes], bool] | None = (
     NATIVE.frame_lane if NATIVE is not None else None
 )
+# `step_ready` with `H2Stream.step`'s common case compiled (`step_lane`). None: Python.
+STEP_LANE: Callable[[H2Connection], None] | None = (
+    NATIVE.step_lane if NATIVE is not None else None
+)
 # `H2Stream.write_now` compiled (`write_lane`), as `H2Stream.write` runs it. None: Python.
 WRITE_LANE: Callable[[H2Stream, bytes], bool] | None = (
     NATIVE.write_lane if NATIVE is not None else None
@@ -168,6 +172,7 @@ class H2Connection(asyncio.BufferedProtocol):
         self.chunk_lane = CHUNK_LANE  # None in the tests' reference runs
         self.frame_lane = FRAME_LANE  # likewise
         self.write_lane = WRITE_LANE  # likewise
+        self.step_lane = STEP_LANE  # likewise
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -288,6 +293,10 @@ class H2Connection(asyncio.BufferedProtocol):
     def step_ready(self) -> None:
         """Run the task-less handlers this read woke (or started), in the order they
         became ready, until none is left."""
+        lane = self.step_lane
+        if lane is not None:
+            lane(self)  # the loop below, compiled
+            return
         while self.ready:
             ready, self.ready = self.ready, []
             for s in ready:
