@@ -84,9 +84,7 @@ FRAME_LANE: Callable[[H2Connection, bytes], bool] | None = (
     NATIVE.frame_lane if NATIVE is not None else None
 )
 # `step_ready` with `H2Stream.step`'s common case compiled (`step_lane`). None: Python.
-STEP_LANE: Callable[[H2Connection], None] | None = (
-    NATIVE.step_lane if NATIVE is not None else None
-)
+STEP_LANE: Callable[[H2Connection], None] | None = NATIVE.step_lane if NATIVE is not None else None
 # `H2Stream.write_now` compiled (`write_lane`), as `H2Stream.write` runs it. None: Python.
 WRITE_LANE: Callable[[H2Stream, bytes], bool] | None = (
     NATIVE.write_lane if NATIVE is not None else None
