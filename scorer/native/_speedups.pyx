@@ -2087,6 +2087,40 @@ def frame_lane(conn, object data):
     Python loop then runs."""
     if type(data) is not bytes:
         return False
+    _frames(conn, <bytes>data)
+    return True
+
+
+def read_lane(conn, object data):
+    """`H2Connection.data_received(data)` for bytes that start at a frame (nothing
+    buffered, the preface seen) while the compiled frame loop is on (`conn.frame_lane`):
+    the frames parsed by `frame_lane`'s loop, the handlers they woke stepped, what was
+    queued written and the deferred bookkeeping run, as `data_received` does. False, with
+    nothing done, otherwise (the Python method then runs)."""
+    if type(data) is not bytes or conn.buf or not conn.preface_ok or conn.frame_lane is None:
+        return False
+    if conn.broken or conn.closed:
+        return True  # a connection error was answered with GOAWAY; closing
+    conn.receiving = True
+    try:
+        conn.last_active = conn.loop.time()
+        _frames(conn, <bytes>data)
+        if conn.ready:
+            if conn.deferred:
+                conn.flush()
+                conn.run_deferred()
+            conn.step_ready()
+    finally:
+        conn.receiving = False
+        if conn.out:
+            conn.flush()
+        if conn.deferred:
+            conn.run_deferred()
+    return True
+
+
+cdef _frames(conn, bytes data):
+    """`frame_lane`'s loop."""
     cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = len(data), pos = 0, length, end
     cdef int ftype, flags
@@ -2101,7 +2135,7 @@ def frame_lane(conn, object data):
         sid = <Py_ssize_t>(kv_be32(p + pos + 5) & 0x7FFFFFFF)
         if length > _OUR_MAX_FRAME:
             conn.abort_connection("frame too large", _FRAME_SIZE_ERROR)
-            return True
+            return
         if n - pos < 9 + length:
             conn.need = 9 + length
             break
@@ -2127,7 +2161,7 @@ def frame_lane(conn, object data):
         payload = view[pos + 9 : end]
         pos = end
         if _frame(conn, ftype, flags, sid, payload, p + end - length, length) is False:
-            return True
+            return
     else:
         conn.need = 9
     if pos < n:
@@ -2135,7 +2169,27 @@ def frame_lane(conn, object data):
             view = memoryview(data)
         buf = conn.buf
         buf += view[pos:]
-    return True
+
+
+def take_lane(s):
+    """The end of `H2Stream.read` once a message is queued: the next message (or EOF) off
+    stream `s`'s queue, its bytes released (`H2Connection.release`) when it was counted."""
+    global _EOF
+    m = s._msgs.popleft()
+    sizes = s._sizes
+    if sizes:
+        if _EOF is None:
+            from scorer.extproc.transport.stream import EOF as eof
+            _EOF = eof
+        if m is not _EOF:
+            n = sizes.popleft()
+            conn = s.conn
+            if conn.owed:
+                conn.release(s, n)  # owed credit to return: the Python method does it all
+            else:
+                s._held -= n
+                conn.buffered -= n
+    return m
 
 
 def step_lane(conn):

@@ -83,6 +83,12 @@ CHUNK_LANE: Callable[..., bool] | None = NATIVE.chunk_lane if NATIVE is not None
 FRAME_LANE: Callable[[H2Connection, bytes], bool] | None = (
     NATIVE.frame_lane if NATIVE is not None else None
 )
+# `data_received` for bytes that start at a frame, with the compiled frame loop
+# (`read_lane`); and the end of `H2Stream.read` (`take_lane`). None: Python.
+READ_LANE: Callable[[H2Connection, bytes], bool] | None = (
+    NATIVE.read_lane if NATIVE is not None else None
+)
+TAKE_LANE: Callable[[H2Stream], Any] | None = NATIVE.take_lane if NATIVE is not None else None
 # `step_ready` with `H2Stream.step`'s common case compiled (`step_lane`). None: Python.
 STEP_LANE: Callable[[H2Connection], None] | None = NATIVE.step_lane if NATIVE is not None else None
 # `H2Stream.write_now` compiled (`write_lane`), as `H2Stream.write` runs it. None: Python.
@@ -171,6 +177,8 @@ class H2Connection(asyncio.BufferedProtocol):
         self.frame_lane = FRAME_LANE  # likewise
         self.write_lane = WRITE_LANE  # likewise
         self.step_lane = STEP_LANE  # likewise
+        self.read_lane = READ_LANE  # likewise (on only with frame_lane)
+        self.take_lane = TAKE_LANE  # likewise
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -267,6 +275,9 @@ class H2Connection(asyncio.BufferedProtocol):
         self.data_received(bytes(self.rbuf[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
+        lane = self.read_lane
+        if lane is not None and lane(self, data):
+            return  # this method and `receive`, compiled
         if self.broken or self.closed:
             return  # a connection error was answered with GOAWAY; closing
         # Everything answered while these bytes are parsed (WINDOW_UPDATEs, ACKs, messages

@@ -173,6 +173,9 @@ class H2Stream:
                 await self._waiter
             finally:
                 self._waiter = None
+        take = self.conn.take_lane
+        if take is not None:
+            return take(self)  # the lines below, compiled
         m = self._msgs.popleft()
         sizes = self._sizes
         if sizes and m is not EOF:
