@@ -2091,34 +2091,6 @@ def frame_lane(conn, object data):
     return True
 
 
-def read_lane(conn, object data):
-    """`H2Connection.data_received(data)` for bytes that start at a frame (nothing
-    buffered, the preface seen) while the compiled frame loop is on (`conn.frame_lane`):
-    the frames parsed by `frame_lane`'s loop, the handlers they woke stepped, what was
-    queued written and the deferred bookkeeping run, as `data_received` does. False, with
-    nothing done, otherwise (the Python method then runs)."""
-    if type(data) is not bytes or conn.buf or not conn.preface_ok or conn.frame_lane is None:
-        return False
-    if conn.broken or conn.closed:
-        return True  # a connection error was answered with GOAWAY; closing
-    conn.receiving = True
-    try:
-        conn.last_active = conn.loop.time()
-        _frames(conn, <bytes>data)
-        if conn.ready:
-            if conn.deferred:
-                conn.flush()
-                conn.run_deferred()
-            conn.step_ready()
-    finally:
-        conn.receiving = False
-        if conn.out:
-            conn.flush()
-        if conn.deferred:
-            conn.run_deferred()
-    return True
-
-
 cdef _frames(conn, bytes data):
     """`frame_lane`'s loop."""
     cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
@@ -2190,36 +2162,6 @@ def take_lane(s):
                 s._held -= n
                 conn.buffered -= n
     return m
-
-
-def step_lane(conn):
-    """`H2Connection.step_ready` with `H2Stream.step`'s common case compiled (resume the
-    handler's coroutine; a handler with a cancellation due goes to the Python `step`)."""
-    cdef list ready
-    while conn.ready:
-        ready = conn.ready
-        conn.ready = []
-        for s in ready:
-            if s._interrupted:
-                s.step()
-                continue
-            s._ready = False
-            coro = s._coro
-            if coro is None:
-                continue
-            w = s._waiter
-            if w is not None and not w.done():
-                continue  # not woken: nothing to resume it with
-            try:
-                fut = coro.send(None)
-            except StopIteration:
-                s._coro = None
-                continue
-            except BaseException:
-                s._coro = None
-                raise
-            if fut is not s._waiter or fut is None:
-                s.promote(fut)
 
 
 # ---------------------------------------------------------------- ext_proc answers

@@ -505,7 +505,7 @@ async def feed(compiled: bool, reads_: list[bytes]) -> tuple[Any, ...]:
     server.add_handler(PATH, keep)
     server.add_handler(TYPED, typed, health_pb2.HealthCheckRequest.FromString)
     conn = H2Connection(server)
-    lanes = ("frame_lane", "read_lane", "step_lane", "write_lane", "take_lane", "chunk_lane")
+    lanes = ("frame_lane", "write_lane", "take_lane", "chunk_lane")
     for name in lanes:
         if compiled:
             assert getattr(conn, name) is not None

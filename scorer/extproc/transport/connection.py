@@ -83,14 +83,8 @@ CHUNK_LANE: Callable[..., bool] | None = NATIVE.chunk_lane if NATIVE is not None
 FRAME_LANE: Callable[[H2Connection, bytes], bool] | None = (
     NATIVE.frame_lane if NATIVE is not None else None
 )
-# `data_received` for bytes that start at a frame, with the compiled frame loop
-# (`read_lane`); and the end of `H2Stream.read` (`take_lane`). None: Python.
-READ_LANE: Callable[[H2Connection, bytes], bool] | None = (
-    NATIVE.read_lane if NATIVE is not None else None
-)
+# The end of `H2Stream.read` compiled (`take_lane`). None: Python.
 TAKE_LANE: Callable[[H2Stream], Any] | None = NATIVE.take_lane if NATIVE is not None else None
-# `step_ready` with `H2Stream.step`'s common case compiled (`step_lane`). None: Python.
-STEP_LANE: Callable[[H2Connection], None] | None = NATIVE.step_lane if NATIVE is not None else None
 # `H2Stream.write_now` compiled (`write_lane`), as `H2Stream.write` runs it. None: Python.
 WRITE_LANE: Callable[[H2Stream, bytes], bool] | None = (
     NATIVE.write_lane if NATIVE is not None else None
@@ -176,8 +170,6 @@ class H2Connection(asyncio.BufferedProtocol):
         self.chunk_lane = CHUNK_LANE  # None in the tests' reference runs
         self.frame_lane = FRAME_LANE  # likewise
         self.write_lane = WRITE_LANE  # likewise
-        self.step_lane = STEP_LANE  # likewise
-        self.read_lane = READ_LANE  # likewise (on only with frame_lane)
         self.take_lane = TAKE_LANE  # likewise
 
     # ------------------------------------------------------------ asyncio.Protocol
@@ -275,9 +267,6 @@ class H2Connection(asyncio.BufferedProtocol):
         self.data_received(bytes(self.rbuf[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
-        lane = self.read_lane
-        if lane is not None and lane(self, data):
-            return  # this method and `receive`, compiled
         if self.broken or self.closed:
             return  # a connection error was answered with GOAWAY; closing
         # Everything answered while these bytes are parsed (WINDOW_UPDATEs, ACKs, messages
@@ -302,10 +291,6 @@ class H2Connection(asyncio.BufferedProtocol):
     def step_ready(self) -> None:
         """Run the task-less handlers this read woke (or started), in the order they
         became ready, until none is left."""
-        lane = self.step_lane
-        if lane is not None:
-            lane(self)  # the loop below, compiled
-            return
         while self.ready:
             ready, self.ready = self.ready, []
             for s in ready:
