@@ -1910,3 +1910,324 @@ def chunk_lane(conn, s, object data, Py_ssize_t start, Py_ssize_t end, tuple lan
     if big:
         conn.big_sid = 0
     return True
+
+
+# ---------------------------------------------------------------- ext_proc request frames
+# `frame_lane` is `H2Connection.receive`'s frame loop (what follows its buffering and the
+# connection preface), with `queue_message` + `grant` compiled in (`_queue`): the lean
+# shape's request messages (each one whole message in a DATA frame without flags) are
+# queued for the handler without a Python frame per DATA frame. Every other frame goes to
+# the Python handlers the loop calls (`on_frame`, and `one_message` / the chunk lane for a
+# stream answered in the frame loop), in the same order, with the same arguments. `_queue`
+# decides from the same state and changes the same state in the same order as
+# `queue_message`; when a check fails it changes nothing and `on_frame` takes the frame.
+
+cdef Py_ssize_t _OUR_MAX_FRAME = 1024 * 1024  # scorer/extproc/transport/limits.py
+cdef int _FRAME_SIZE_ERROR = 0x6  # scorer/extproc/transport/frames.py
+
+
+cdef inline _schedule(conn, s):
+    """`H2Stream.schedule`: step the task-less handler at the end of this read."""
+    if s._ready:
+        return
+    s._ready = True
+    if conn.receiving:
+        (<list>conn.ready).append(s)
+    else:
+        conn.loop.call_soon(s.step)
+
+
+cdef inline _start_or_wake(conn, s):
+    """`H2Stream.start` when the handler has not started, else `H2Stream._wake`."""
+    handler = s.handler
+    if handler is not None:
+        s.handler = None
+        s._coro = conn.server.run(s, handler)
+        _schedule(conn, s)
+        return
+    w = s._waiter
+    if w is not None and not w.done():
+        w.set_result(None)
+        if s._coro is not None:
+            _schedule(conn, s)
+
+
+cdef int _queue(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end) except -1:
+    """`H2Connection.queue_message` for `data[start:end]` (length > 5): 1 when queued,
+    0 with nothing changed."""
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t flow_len = end - start
+    cdef Py_ssize_t n = flow_len - 5
+    if p[start] != 0 or <Py_ssize_t>kv_be32(p + start + 1) != n:
+        return 0
+    if n > conn.server.max_message:
+        return 0
+    if s._half_closed or s._buf or s._sizes is None:
+        return 0
+    cdef Py_ssize_t unacked = s._unacked
+    cdef Py_ssize_t recv_unacked = conn.recv_unacked
+    cdef Py_ssize_t buffered = conn.buffered
+    if unacked + flow_len > _RECV_WINDOW or recv_unacked + flow_len > _CONN_RECV_WINDOW:
+        return 0
+    if buffered + flow_len > conn.limits.max_buffered:
+        return 0
+    deserialize = s._deserialize
+    raw = PyBytes_FromStringAndSize(<const char*>p + start + 5, n)
+    if deserialize is None:
+        msg = raw
+    else:
+        try:
+            msg = deserialize(raw)
+        except Exception:
+            return 0  # the general path reports it
+    conn.recv_unacked = recv_unacked + flow_len
+    s._unacked = unacked + flow_len
+    s._held += flow_len
+    conn.buffered = buffered + flow_len
+    s._msgs.append(msg)
+    s._sizes.append(flow_len)
+    # grant(s, flow_len): below both batching thresholds it only adds the credit.
+    cc = conn.conn_credit + flow_len
+    c = s._credit + flow_len
+    if cc < _CONN_RECV_WINDOW // 4 and c < _RECV_WINDOW // 4:
+        conn.conn_credit = cc
+        s._credit = c
+    else:
+        conn.grant(s, flow_len)
+    if conn.big_sid == s.sid:
+        conn.big_sid = 0  # its message is complete
+    _start_or_wake(conn, s)
+    return 1
+
+
+def queue_lane(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end):
+    """`H2Connection.queue_message(s, data, start, end)` compiled (what `frame_lane` runs
+    for a DATA frame without flags on a stream not answered in the frame loop): True when
+    the message was queued, accounted exactly as the Python method does; False, nothing
+    changed, when it does not apply."""
+    if start < 0 or end > len(data) or end - start <= 5:
+        return False
+    return _queue(conn, s, data, start, end) == 1
+
+
+cdef object _EOF = None  # scorer.extproc.transport.stream.EOF (grpc.aio's), on first use
+cdef Py_ssize_t _MAX_WINDOW = 2**31 - 1
+
+
+cdef object _frame(conn, int ftype, int flags, Py_ssize_t sid, object payload,
+                   const uint8_t* p, Py_ssize_t length):
+    """`conn.on_frame(ftype, flags, sid, payload)` (payload at `p`, `length` bytes), with
+    its dispatch and the lean shape's frames compiled: HEADERS of one whole header block
+    (`on_headers_frame` down to `on_header_block`), the empty DATA frame ending a stream
+    (`on_data_frame` + `H2Stream.on_data`), WINDOW_UPDATE on the connection (Envoy's
+    after each request) and RST_STREAM. Anything else, or any check that would fail, goes
+    to the Python method that handles it, from unchanged state."""
+    global _EOF
+    if conn.cont_sid:
+        return conn.on_frame(ftype, flags, sid, payload)
+    if ftype == 0:  # DATA
+        if flags == 1 and length == 0 and sid != 0:
+            # on_data_frame for an empty END_STREAM: no bytes to account; on_data queues
+            # EOF and starts or wakes the handler.
+            s = (<dict>conn.streams).get(sid)
+            if (
+                s is not None
+                and not s._half_closed
+                and not s._buf
+                and conn.recv_unacked <= _CONN_RECV_WINDOW
+                and s._unacked <= _RECV_WINDOW
+            ):
+                if _EOF is None:
+                    from scorer.extproc.transport.stream import EOF as eof
+                    _EOF = eof
+                s._half_closed = True
+                s._msgs.append(_EOF)
+                _start_or_wake(conn, s)
+                return True
+        return conn.on_data_frame(flags, sid, payload)
+    if ftype == 1:  # HEADERS
+        if (
+            flags & 0x2C == 0x04  # END_HEADERS, neither PADDED nor PRIORITY
+            and sid != 0
+            and length <= conn.limits.max_header_list
+            and conn.settings_seen
+        ):
+            return conn.on_header_block(sid, flags, PyBytes_FromStringAndSize(<const char*>p, length))
+        return conn.on_headers_frame(flags, sid, payload)
+    if ftype == 4 or ftype == 9 or not conn.settings_seen:  # SETTINGS, CONTINUATION
+        return conn.on_frame(ftype, flags, sid, payload)
+    cdef Py_ssize_t inc, window
+    if ftype == 8:  # WINDOW_UPDATE
+        if sid == 0 and length == 4:
+            inc = <Py_ssize_t>(kv_be32(p) & 0x7FFFFFFF)
+            window = conn.send_window
+            if inc != 0 and window + inc <= _MAX_WINDOW:
+                conn.send_window = window + inc
+                if conn.window_waiters:
+                    conn.wake_writers()
+                return True
+        return conn.on_window_update(sid, payload)
+    if ftype == 3 and length == 4 and sid != 0 and sid <= conn.last_sid:  # RST_STREAM
+        s = (<dict>conn.streams).get(sid)
+        if s is not None:
+            conn.drop(s)
+            s.on_reset()
+            if s.handler is None and not s._headers_sent:  # started, unanswered
+                return conn.premature_reset()
+        return True
+    return conn.on_frame(ftype, flags, sid, payload)
+
+
+def frame_lane(conn, object data):
+    """`H2Connection.receive`'s frame loop over `data` (bytes, after the buffered bytes
+    and the preface were handled): parses each frame's header, queues one-message DATA
+    frames (`queue_message`), hands a stream answered in the frame loop's frame to
+    `conn.chunk_lane` / `conn.one_message` and every other frame to `conn.on_frame`; keeps
+    an incomplete frame in `conn.buf`. False (nothing done) when `data` is not bytes: the
+    Python loop then runs."""
+    if type(data) is not bytes:
+        return False
+    _frames(conn, <bytes>data)
+    return True
+
+
+cdef _frames(conn, bytes data):
+    """`frame_lane`'s loop."""
+    cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = len(data), pos = 0, length, end
+    cdef int ftype, flags
+    cdef Py_ssize_t sid
+    cdef object view = None
+    cdef dict streams = conn.streams
+    lane = conn.chunk_lane
+    while n - pos >= 9:
+        length = (<Py_ssize_t>p[pos] << 16) | (<Py_ssize_t>p[pos + 1] << 8) | p[pos + 2]
+        ftype = p[pos + 3]
+        flags = p[pos + 4]
+        sid = <Py_ssize_t>(kv_be32(p + pos + 5) & 0x7FFFFFFF)
+        if length > _OUR_MAX_FRAME:
+            conn.abort_connection("frame too large", _FRAME_SIZE_ERROR)
+            return
+        if n - pos < 9 + length:
+            conn.need = 9 + length
+            break
+        end = pos + 9 + length
+        if ftype == 0 and flags == 0 and length > 5 and not conn.cont_sid:
+            # The one-message lane (see receive).
+            s = streams.get(sid)
+            if s is not None:
+                if s.fast is not None:
+                    if (
+                        (s.lane is not None
+                         and lane is not None
+                         and lane(conn, s, data, pos + 9, end, s.lane))
+                        or conn.one_message(s, data, pos + 9, end)
+                    ):
+                        pos = end
+                        continue
+                elif _queue(conn, s, <bytes>data, pos + 9, end):
+                    pos = end
+                    continue
+        if view is None:
+            view = memoryview(data)
+        payload = view[pos + 9 : end]
+        pos = end
+        if _frame(conn, ftype, flags, sid, payload, p + end - length, length) is False:
+            return
+    else:
+        conn.need = 9
+    if pos < n:
+        if view is None:
+            view = memoryview(data)
+        buf = conn.buf
+        buf += view[pos:]
+
+
+def take_lane(s):
+    """The end of `H2Stream.read` once a message is queued: the next message (or EOF) off
+    stream `s`'s queue, its bytes released (`H2Connection.release`) when it was counted."""
+    global _EOF
+    m = s._msgs.popleft()
+    sizes = s._sizes
+    if sizes:
+        if _EOF is None:
+            from scorer.extproc.transport.stream import EOF as eof
+            _EOF = eof
+        if m is not _EOF:
+            n = sizes.popleft()
+            conn = s.conn
+            if conn.owed:
+                conn.release(s, n)  # owed credit to return: the Python method does it all
+            else:
+                s._held -= n
+                conn.buffered -= n
+    return m
+
+
+# ---------------------------------------------------------------- ext_proc answers
+# `write_lane` is `H2Stream.write_now` (what `H2Stream.write` runs for every answer that
+# fits one DATA frame): the same checks, the same frames queued by the same sends (the
+# response HEADERS once, then one DATA frame), the same window and balance updates.
+
+cdef object _RESPONSE_HEADERS_FRAME = None  # frame(HEADERS, END_HEADERS, 0, RESPONSE_HEADERS)
+
+
+cdef inline _send(conn, bytes out):
+    """`H2Connection.send(out)`."""
+    if conn.closed:
+        return
+    (<list>conn.out).append(out)
+    if not conn.flush_scheduled and not conn.receiving:
+        conn.flush_scheduled = True
+        conn.loop.call_soon(conn.flush)
+
+
+def write_lane(s, object data):
+    """`s.write_now(data)` for H2Stream `s` (data: one serialized response message): True
+    when it was queued as one DATA frame (after the response HEADERS, the first time),
+    False with nothing changed when it has to wait."""
+    global _RESPONSE_HEADERS_FRAME
+    if type(data) is not bytes:
+        return s.write_now(data)
+    conn = s.conn
+    cdef Py_ssize_t m = len(<bytes>data)
+    cdef Py_ssize_t n = m + 5
+    if (
+        n > conn.peer_max_frame
+        or n > conn.send_window
+        or n > conn.peer_initial_window + s.send_credit
+        or conn.write_paused is not None
+        or s._done
+    ):
+        return False
+    cdef Py_ssize_t sid = s.sid
+    cdef uint8_t* o
+    if not s._headers_sent:
+        s._headers_sent = True
+        conn.reset_balance += 1  # an answered stream (rapid reset accounting)
+        if _RESPONSE_HEADERS_FRAME is None:
+            from scorer.extproc.transport.hpack_codec import RESPONSE_HEADERS
+            from scorer.extproc.transport.frames import END_HEADERS, HEADERS, frame
+            _RESPONSE_HEADERS_FRAME = frame(HEADERS, END_HEADERS, 0, RESPONSE_HEADERS)
+        hdr = PyBytes_FromStringAndSize(
+            PyBytes_AS_STRING(<bytes>_RESPONSE_HEADERS_FRAME), len(<bytes>_RESPONSE_HEADERS_FRAME)
+        )
+        o = <uint8_t*>PyBytes_AS_STRING(hdr)
+        o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
+        o[8] = <uint8_t>sid
+        _send(conn, hdr)
+    # DATA_MSG.pack((n << 8) | DATA, 0, sid, 0, n - 5) + data
+    out = PyBytes_FromStringAndSize(NULL, 9 + n)
+    o = <uint8_t*>PyBytes_AS_STRING(out)
+    o[0] = <uint8_t>(n >> 16); o[1] = <uint8_t>(n >> 8); o[2] = <uint8_t>n
+    o[3] = 0; o[4] = 0
+    o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
+    o[8] = <uint8_t>sid
+    o[9] = 0
+    o[10] = <uint8_t>(m >> 24); o[11] = <uint8_t>(m >> 16); o[12] = <uint8_t>(m >> 8)
+    o[13] = <uint8_t>m
+    memcpy(o + 14, PyBytes_AS_STRING(<bytes>data), m)
+    _send(conn, out)
+    conn.send_window -= n
+    s.send_credit -= n
+    return True

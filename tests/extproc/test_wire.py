@@ -35,6 +35,7 @@ from scorer.extproc import wire
 from scorer.extproc.servicer import PROCESS_PATH
 from scorer.extproc.transport import H2Connection, H2Stream
 from scorer.extproc.transport import frames as F
+from scorer.extproc.transport.connection import FRAME_LANE
 from scorer.extproc.transport.limits import CONN_RECV_WINDOW, RECV_WINDOW
 from scorer.native import NATIVE
 
@@ -745,7 +746,8 @@ def test_chunks_read_one_by_one_take_the_frame_loop_lane(rig: Any, monkeypatch: 
     """A chunk arriving alone (Envoy forwards each as it comes) is answered by the
     connection's one-frame lane (H2Connection.one_message; the request's two messages,
     before the answerer is installed, are queued by the same lane's `queue_message`):
-    on_data_frame sees only the frame the lane leaves to it, the empty END_STREAM."""
+    on_data_frame sees only the frame the lane leaves to it, the empty END_STREAM (which
+    the compiled frame loop, when built, takes itself)."""
     loop, app, _ = rig
     msgs = [resp_headers_raw("200", False, None)]
     msgs += [chunk_raw(_body(n, n), n == 40, "none") for n in (3, 10, 40)]
@@ -762,7 +764,7 @@ def test_chunks_read_one_by_one_take_the_frame_loop_lane(rig: Any, monkeypatch: 
         exchange(app, True, "lane", PM.FULL_DUPLEX_STREAMED, msgs, [], [], taken, per_frame=True)
     )
     assert taken == [True] * len(msgs)
-    assert seen == [0]
+    assert seen == ([] if FRAME_LANE is not None else [0])
     got = [f for f in answers(resp)[0] if f[0] == F.DATA]
     assert len(got) == len(msgs)
     last = ep.ProcessingResponse.FromString(got[-1][3][5:])

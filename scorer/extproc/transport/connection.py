@@ -78,6 +78,17 @@ log = logging.getLogger("scorer.extproc.transport")
 # The compiled response-chunk lane (scorer/native/_speedups.pyx `chunk_lane`): one_message
 # plus the servicer's answerer for Envoy's common body-chunk frame; None: Python only.
 CHUNK_LANE: Callable[..., bool] | None = NATIVE.chunk_lane if NATIVE is not None else None
+# The compiled frame loop (`frame_lane`): `receive`'s loop with `queue_message` compiled in
+# (the request messages); every other frame goes to the same Python handlers. None: Python.
+FRAME_LANE: Callable[[H2Connection, bytes], bool] | None = (
+    NATIVE.frame_lane if NATIVE is not None else None
+)
+# The end of `H2Stream.read` compiled (`take_lane`). None: Python.
+TAKE_LANE: Callable[[H2Stream], Any] | None = NATIVE.take_lane if NATIVE is not None else None
+# `H2Stream.write_now` compiled (`write_lane`), as `H2Stream.write` runs it. None: Python.
+WRITE_LANE: Callable[[H2Stream, bytes], bool] | None = (
+    NATIVE.write_lane if NATIVE is not None else None
+)
 
 
 # Ended streams remembered per connection (bounded memory; older ones are ignored as any
@@ -157,6 +168,9 @@ class H2Connection(asyncio.BufferedProtocol):
         self.window_waiters: list[asyncio.Future[None]] = []
         self.write_paused: asyncio.Future[None] | None = None
         self.chunk_lane = CHUNK_LANE  # None in the tests' reference runs
+        self.frame_lane = FRAME_LANE  # likewise
+        self.write_lane = WRITE_LANE  # likewise
+        self.take_lane = TAKE_LANE  # likewise
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -318,6 +332,9 @@ class H2Connection(asyncio.BufferedProtocol):
                 return
             data = data[len(PREFACE) :]
             self.preface_ok = True
+        frame_lane = self.frame_lane
+        if frame_lane is not None and frame_lane(self, data):
+            return  # the loop below, compiled
         pos = 0
         n = len(data)
         # Slices of a memoryview over immutable bytes: no copy per frame.

@@ -173,6 +173,9 @@ class H2Stream:
                 await self._waiter
             finally:
                 self._waiter = None
+        take = self.conn.take_lane
+        if take is not None:
+            return take(self)  # the lines below, compiled
         m = self._msgs.popleft()
         sizes = self._sizes
         if sizes and m is not EOF:
@@ -184,7 +187,8 @@ class H2Stream:
         data = message if isinstance(message, bytes) else message.SerializeToString()
         if self._done:
             raise asyncio.CancelledError()
-        if not self.write_now(data):
+        lane = self.conn.write_lane  # write_now compiled (None: the Python method)
+        if not (self.write_now(data) if lane is None else lane(self, data)):
             await self.conn.send_data(self, MSG.pack(0, len(data)) + data)
 
     def write_now(self, data: bytes) -> bool:
