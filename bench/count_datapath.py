@@ -140,6 +140,10 @@ def main() -> int:
     ap.add_argument("--drive", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "datapath_instructions.json"))
     args = ap.parse_args()
+    if args.base + args.requests > 2000:
+        # Each request hands back 1 MiB of connection window (reads()); past ~2,048 our
+        # send window passes 2^31-1 and the connection ends in FLOW_CONTROL_ERROR.
+        ap.error("--base + --requests must stay at or below 2000")
     if args.drive is not None:
         asyncio.run(drive(args.drive, args.policy, args.stub_director))
         return 0
