@@ -2231,3 +2231,9 @@ def write_lane(s, object data):
     conn.send_window -= n
     s.send_credit -= n
     return True
+
+
+# The transport constants the lanes above compile in, for the test that holds them to
+# scorer/extproc/transport (limits.py, frames.py): (RECV_WINDOW, CONN_RECV_WINDOW,
+# OUR_MAX_FRAME, MAX_WINDOW, FRAME_SIZE_ERROR).
+LANE_CONSTANTS = (_RECV_WINDOW, _CONN_RECV_WINDOW, _OUR_MAX_FRAME, _MAX_WINDOW, _FRAME_SIZE_ERROR)

@@ -529,3 +529,19 @@ async def feed(compiled: bool, reads_: list[bytes]) -> tuple[Any, ...]:
         await asyncio.sleep(0)
     conn.connection_lost(None)
     return bytes(sink.data), states, got
+
+
+def test_the_lanes_compiled_constants_are_the_transports() -> None:
+    """The compiled lanes hard-code the windows and frame limit (C constants): a change in
+    limits.py or frames.py that the .pyx did not follow would make the lanes decide
+    differently from the Python methods only at those edges."""
+    from scorer.extproc.transport import limits
+
+    assert NATIVE is not None
+    assert NATIVE.LANE_CONSTANTS == (
+        limits.RECV_WINDOW,
+        limits.CONN_RECV_WINDOW,
+        limits.OUR_MAX_FRAME,
+        F.MAX_WINDOW,
+        F.FRAME_SIZE_ERROR,
+    )
