@@ -1734,6 +1734,18 @@ def json_ids_u32(buf, Py_ssize_t pos):
 
 cdef Py_ssize_t _RECV_WINDOW = 8 * 1024 * 1024  # scorer/extproc/transport/limits.py
 cdef Py_ssize_t _CONN_RECV_WINDOW = 16 * 1024 * 1024
+
+
+cdef inline _grant(conn, s, Py_ssize_t flow_len):
+    """`H2Connection.grant(s, flow_len)`: below both batching thresholds it only adds the
+    credit; at a threshold the Python method sends the WINDOW_UPDATEs."""
+    cc = conn.conn_credit + flow_len
+    c = s._credit + flow_len
+    if cc < _CONN_RECV_WINDOW // 4 and c < _RECV_WINDOW // 4:
+        conn.conn_credit = cc
+        s._credit = c
+    else:
+        conn.grant(s, flow_len)
 cdef uint8_t _TAG_RESPONSE_BODY = (5 << 3) | 2  # ProcessingRequest.response_body, LEN
 cdef uint8_t _TAG_METADATA = (8 << 3) | 2  # ProcessingRequest.metadata_context, LEN
 cdef uint8_t _TAG_RESP_RESPONSE_BODY = (4 << 3) | 2  # ProcessingResponse.response_body
@@ -1896,13 +1908,7 @@ def chunk_lane(conn, s, object data, Py_ssize_t start, Py_ssize_t end, tuple lan
         conn.release(s, 0)
     big = conn.big_sid == sid
     if conn.buffered <= conn.limits.max_buffered or big:
-        cc = conn.conn_credit + flow_len
-        c = s._credit + flow_len
-        if cc < _CONN_RECV_WINDOW // 4 and c < _RECV_WINDOW // 4:
-            conn.conn_credit = cc
-            s._credit = c
-        else:
-            conn.grant(s, flow_len)
+        _grant(conn, s, flow_len)
     else:
         s._owed += flow_len
         conn.owed += flow_len
@@ -1986,14 +1992,7 @@ cdef int _queue(conn, s, bytes data, Py_ssize_t start, Py_ssize_t end) except -1
     conn.buffered = buffered + flow_len
     s._msgs.append(msg)
     s._sizes.append(flow_len)
-    # grant(s, flow_len): below both batching thresholds it only adds the credit.
-    cc = conn.conn_credit + flow_len
-    c = s._credit + flow_len
-    if cc < _CONN_RECV_WINDOW // 4 and c < _RECV_WINDOW // 4:
-        conn.conn_credit = cc
-        s._credit = c
-    else:
-        conn.grant(s, flow_len)
+    _grant(conn, s, flow_len)
     if conn.big_sid == s.sid:
         conn.big_sid = 0  # its message is complete
     _start_or_wake(conn, s)
