@@ -163,17 +163,22 @@ async def run(lane: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
         states.append(state(conn))
     assert any(used) == (lane == "python")
     before = bytes(sink.data)
-    for s in list(server.calls):
-        s.interrupt()
-    for _ in range(100):  # bounded: each cancelled handler ends in a loop turn or two
-        if not server.calls:
-            break
-        await asyncio.sleep(0)
+    await stop_handlers(server)
     assert not server.calls
     # The cancelled handlers' closing frames come in the order of the server's call set
     # (object addresses): compared as a set of frames, not as a byte sequence.
     closing = b"".join(sorted(split_frames(sink.data[len(before) :])))
     return before + closing, states, got, general
+
+
+async def stop_handlers(server: H2GrpcServer) -> None:
+    """Interrupt every running handler and let each end (a loop turn or two each)."""
+    for s in list(server.calls):
+        s.interrupt()
+    for _ in range(100):  # bounded
+        if not server.calls:
+            break
+        await asyncio.sleep(0)
 
 
 def split_frames(data: bytes | bytearray) -> list[bytes]:
@@ -521,12 +526,7 @@ async def feed(compiled: bool, reads_: list[bytes]) -> tuple[Any, ...]:
         states.append((state(conn), more, windows, conn.last_sid))
         for _ in range(3):  # bounded: the handlers read what was queued
             await asyncio.sleep(0)
-    for s in list(server.calls):
-        s.interrupt()
-    for _ in range(100):  # bounded: each cancelled handler ends in a loop turn or two
-        if not server.calls:
-            break
-        await asyncio.sleep(0)
+    await stop_handlers(server)
     conn.connection_lost(None)
     return bytes(sink.data), states, got
 
