@@ -55,20 +55,14 @@ def least_prefill_ms(uncached: int, budget: int = BUDGET) -> float:
 
 def floor_ms(wl: Any, keys: Any, block_size: int) -> list[float]:
     """Per request (arrival order): its prompt's uncached part after the oracle's hit,
-    prefilled alone in budget-sized steps, in model ms."""
-    seen: set[int] = set()
-    out = []
-    for r, ks in zip(wl.requests, keys.keys, strict=True):
-        k = 0
-        for key in ks:
-            if key not in seen:
-                break
-            k += 1
-        # vLLM computes at least the prompt's last token even on a full hit.
-        uncached = max(r.prompt_tokens - k * block_size, 1)
-        out.append(least_prefill_ms(uncached))
-        seen.update(ks)
-    return out
+    prefilled alone in the cheapest split into steps, in model ms."""
+    from kvscorer_tools.bench.replay import oracle_leading_blocks
+
+    # vLLM computes at least the prompt's last token even on a full hit.
+    return [
+        least_prefill_ms(max(r.prompt_tokens - k * block_size, 1))
+        for r, k in zip(wl.requests, oracle_leading_blocks(keys), strict=True)
+    ]
 
 
 def main() -> int:

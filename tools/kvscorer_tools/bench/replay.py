@@ -566,22 +566,29 @@ def record_decisions(
     return replay.decided
 
 
-def oracle_token_hit_rate(workload: Workload, keys: RequestKeys) -> float:
-    """Infinite-cache hit ratio in tokens, counted like the workers' counters.
-
-    Every full block ever seen stays cached; a request hits its leading blocks already
-    seen (x block_size tokens, at most its prompt) over its prompt tokens.
-    """
+def oracle_leading_blocks(keys: RequestKeys) -> list[int]:
+    """Per request, in arrival order: how many of its leading blocks an infinite cache
+    holds (every full block of every earlier request stays cached)."""
     seen: set[int] = set()
-    hit = total = 0
-    bs = keys.hasher.block_size
-    for r, ks in zip(workload.requests, keys.keys, strict=True):
+    out = []
+    for ks in keys.keys:
         k = 0
         for key in ks:
             if key not in seen:
                 break
             k += 1
+        out.append(k)
+        seen.update(ks)
+    return out
+
+
+def oracle_token_hit_rate(workload: Workload, keys: RequestKeys) -> float:
+    """Infinite-cache hit ratio in tokens, counted like the workers' counters: a request
+    hits its leading blocks already seen (x block_size tokens, at most its prompt) over its
+    prompt tokens."""
+    bs = keys.hasher.block_size
+    hit = total = 0
+    for r, k in zip(workload.requests, oracle_leading_blocks(keys), strict=True):
         hit += min(k * bs, r.prompt_tokens)
         total += r.prompt_tokens
-        seen.update(ks)
     return hit / total if total else 0.0
