@@ -122,8 +122,12 @@ def test_table_and_sweep_show_the_spread(tmp_path: Path) -> None:
     assert sweep["hit_rate"] == {"kv": [0.2, 0.4], "rr": [None, 0.2], "oracle": [0.6, 0.6]}
     assert sweep["ttft_p99_ms"]["kv"] == [800, 50]
     assert sweep["ttft_p99_ms_range"]["kv"] == [[700, 900], [50, 50]]
+    assert sweep["ttft_p50_ms"]["kv"] == [200, 1] and sweep["ttft_p50_ms"]["rr"] == [None, 1]
+    assert sweep["ttft_p50_ms_range"]["kv"] == [[100, 300], [1, 1]]
     text = report.format_sweep(sweep)
     assert "TTFT p99 ms" in text and "0.200 (0.100-0.300)" in text
+    p50 = text.split("TTFT p50 ms")[1].split("TTFT p99 ms")[0]
+    assert "200 (100-300)" in p50
     png = report.plot_sweep(sweep, tmp_path / "sweep.png", "t")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

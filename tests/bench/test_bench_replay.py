@@ -82,7 +82,12 @@ def test_cli_writes_results_json_and_plots(tmp_path: Path, capsys: object) -> No
     assert set(doc["policies"]) == {"kv", "round_robin", "sglang_cache_aware", "oracle"}
     assert "error" in doc["policies"]["sglang_cache_aware"]  # peers are e2e only
     assert set(doc["policies"]["oracle"]) >= {"hit_rate"}
-    assert doc["capacity_sweep"]["capacities"] == [500, 1000, 5000, "unbounded"]
+    sweep = doc["capacity_sweep"]
+    assert sweep["capacities"] == [500, 1000, 5000, "unbounded"]
+    for key in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "imbalance"):
+        assert len(sweep[key]["kv"]) == 4, key
+    for p50, p99 in zip(sweep["ttft_p50_ms"]["kv"], sweep["ttft_p99_ms"]["kv"], strict=True):
+        assert 0 < p50 <= p99
     for png in ("policies.png", "capacity_sweep.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out  # type: ignore[attr-defined]

@@ -31,6 +31,9 @@ SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000, None]  # None = unbounded
 # End to end the sweep is the issue's three capacities (unbounded would take the longest
 # and says least: every router converges to the oracle there).
 E2E_SWEEP_CAPACITIES: list[int | None] = [500, 1000, 5000]
+# The figures the capacity sweep keeps per policy and capacity (issue 13's targets:
+# hit rate, TTFT p50 and p99, imbalance at every capacity).
+SWEEP_KEYS = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms", "imbalance")
 
 
 def _positive_int(text: str) -> int:
@@ -142,8 +145,9 @@ def register(subparsers: Any) -> None:
         "--sweep-capacity",
         action="store_true",
         help="also at other capacities (replay: 500/1000/5000/unbounded, e2e: "
-        "500/1000/5000 blocks per worker, a fresh fleet each): table + capacity_sweep.png "
-        "of hit rate and TTFT p99 per policy and peer",
+        "500/1000/5000 blocks per worker, a fresh fleet each): tables of hit rate, TTFT "
+        "p50 and p99 and imbalance, and capacity_sweep.png of hit rate and TTFT p99, per "
+        "policy and peer",
     )
     p.add_argument(
         "--concurrency",
@@ -265,8 +269,7 @@ def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str])
         ours = [p for p in policies if p not in PEER_POLICIES]
         sweep: dict[str, Any] = {
             "capacities": [c if c is not None else "unbounded" for c in SWEEP_CAPACITIES],
-            "hit_rate": {p: [] for p in ours},
-            "ttft_p99_ms": {p: [] for p in ours},
+            **{key: {p: [] for p in ours} for key in SWEEP_KEYS},
         }
         for cap in SWEEP_CAPACITIES:
             for p in ours:
@@ -274,9 +277,13 @@ def run_replay_mode(args: argparse.Namespace, wl: Workload, policies: list[str])
                     r = results[p]
                 else:
                     r = run_replay(wl, p, settings(cap), keys).as_dict()
-                    print(f"  sweep {cap or 'unbounded'} {p}: hit {r['hit_rate']:.3f}", flush=True)
-                sweep["hit_rate"][p].append(r["hit_rate"])
-                sweep["ttft_p99_ms"][p].append(r["ttft_p99_ms"])
+                    print(
+                        f"  sweep {cap or 'unbounded'} {p}: hit {r['hit_rate']:.3f}  "
+                        f"p50 {r['ttft_p50_ms']:.0f} ms",
+                        flush=True,
+                    )
+                for key in SWEEP_KEYS:
+                    sweep[key][p].append(r[key])
         sweep["hit_rate"]["oracle"] = [results["oracle"]["hit_rate"]] * len(SWEEP_CAPACITIES)
         extra["capacity_sweep"] = sweep
     return {"policies": results, **extra}
@@ -319,7 +326,7 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
         body["capacity_sweep"] = sweep_doc(
             [c for c in caps if c in E2E_SWEEP_CAPACITIES], by_cap, policies, oracle
         )
-        # Every figure at every capacity (the sweep keeps hit rate and TTFT p99 only).
+        # Every figure at every capacity (the sweep keeps SWEEP_KEYS only).
         body["by_capacity"] = {str(c or "unbounded"): by_cap[c] for c in caps}
         for c in caps:
             if c != main_cap:
@@ -338,13 +345,11 @@ def sweep_doc(
     per capacity (None where it failed), and the repeats' [min, max] in *_range."""
     sweep: dict[str, Any] = {
         "capacities": [c if c is not None else "unbounded" for c in caps],
-        "hit_rate": {},
-        "ttft_p99_ms": {},
-        "hit_rate_range": {},
-        "ttft_p99_ms_range": {},
+        **{key: {} for key in SWEEP_KEYS},
+        **{key + "_range": {} for key in SWEEP_KEYS},
     }
     for p in policies:
-        for key in ("hit_rate", "ttft_p99_ms"):
+        for key in SWEEP_KEYS:
             entries = [by_cap[c].get(p, {}) for c in caps]
             sweep[key][p] = [e.get(key) for e in entries]
             sweep[key + "_range"][p] = [e.get("spread", {}).get(key) for e in entries]

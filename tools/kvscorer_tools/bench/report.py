@@ -37,6 +37,12 @@ def _fmt(v: Any, key: str) -> str:
 
 # Figures shown with their spread over repeats (the [min, max] of each entry's "spread").
 SPREAD_SHOWN = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
+SWEEP_TABLES = (
+    ("hit_rate", "hit rate"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p99_ms", "TTFT p99 ms"),
+    ("imbalance", "imbalance"),
+)
 
 
 def _range(r: Mapping[str, Any], key: str) -> str:
@@ -152,11 +158,12 @@ def format_breakdown(policies: Mapping[str, Mapping[str, Any]]) -> str | None:
 
 
 def format_sweep(sweep: Mapping[str, Any]) -> str:
-    """The capacity sweep as two tables (hit rate, TTFT p99): one row per policy, one
-    column per capacity; with the repeats' min-max when the sweep has them."""
+    """The capacity sweep as a table per figure (hit rate, TTFT p50 and p99, imbalance;
+    those it has): one row per policy, one column per capacity; with the repeats'
+    min-max when the sweep has them."""
     caps = [str(c) for c in sweep["capacities"]]
     lines: list[str] = []
-    for key, label in (("hit_rate", "hit rate"), ("ttft_p99_ms", "TTFT p99 ms")):
+    for key, label in SWEEP_TABLES:
         rows = sweep.get(key, {})
         if not rows:
             continue
