@@ -1768,6 +1768,33 @@ cdef inline uint8_t* _put_varint(uint8_t* o, Py_ssize_t x) noexcept nogil:
     return o + 1
 
 
+cdef inline bint _fits(conn, s, Py_ssize_t n):
+    """An answer DATA frame of `n` payload bytes may go out now on stream `s`
+    (`H2Stream.write_now`'s checks: frame size, both send windows, writes not paused,
+    the stream not over)."""
+    return not (
+        n > conn.peer_max_frame
+        or n > conn.send_window
+        or n > conn.peer_initial_window + s.send_credit
+        or conn.write_paused is not None
+        or s._done
+    )
+
+
+cdef inline uint8_t* _data_head(uint8_t* o, Py_ssize_t sid, Py_ssize_t msg):
+    """Write a DATA frame's header (length msg + 5, no flags, stream `sid`) and the gRPC
+    prefix of a `msg`-byte message at `o`; returns where the message goes."""
+    cdef Py_ssize_t n = msg + 5
+    o[0] = <uint8_t>(n >> 16); o[1] = <uint8_t>(n >> 8); o[2] = <uint8_t>n
+    o[3] = 0; o[4] = 0
+    o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
+    o[8] = <uint8_t>sid
+    o[9] = 0
+    o[10] = <uint8_t>(msg >> 24); o[11] = <uint8_t>(msg >> 16); o[12] = <uint8_t>(msg >> 8)
+    o[13] = <uint8_t>msg
+    return o + 14
+
+
 def chunk_lane(conn, s, object data, Py_ssize_t start, Py_ssize_t end, tuple lane):
     """Answer the DATA frame payload `data[start:end]` (no flags) on stream `s` of
     H2Connection `conn` when it is one whole gRPC message holding a response-body chunk in
@@ -1852,28 +1879,12 @@ def chunk_lane(conn, s, object data, Py_ssize_t start, Py_ssize_t end, tuple lan
     else:
         msg = len(<bytes>continue_body)
     cdef Py_ssize_t total = msg + 5
-    if (
-        total > conn.peer_max_frame
-        or total > conn.send_window
-        or total > conn.peer_initial_window + s.send_credit
-        or conn.write_paused is not None
-        or s._done
-        or not s._headers_sent
-    ):
+    if not s._headers_sent or not _fits(conn, s, total):
         return False
     body = PyBytes_FromStringAndSize(<const char*>p + bq, blen) if blen else b""
     out = PyBytes_FromStringAndSize(NULL, 9 + total)
-    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
     cdef Py_ssize_t sid = s.sid
-    # DATA frame header (length, type 0, flags 0, stream id) and the gRPC prefix.
-    o[0] = <uint8_t>(total >> 16); o[1] = <uint8_t>(total >> 8); o[2] = <uint8_t>total
-    o[3] = 0; o[4] = 0
-    o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
-    o[8] = <uint8_t>sid
-    o[9] = 0
-    o[10] = <uint8_t>(msg >> 24); o[11] = <uint8_t>(msg >> 16); o[12] = <uint8_t>(msg >> 8)
-    o[13] = <uint8_t>msg
-    o += 14
+    cdef uint8_t* o = _data_head(<uint8_t*>PyBytes_AS_STRING(out), sid, msg)
     if duplex:
         # wire._streamed_head, then the body, then end_of_stream.
         o[0] = _TAG_RESP_RESPONSE_BODY
@@ -2191,13 +2202,7 @@ def write_lane(s, object data):
     conn = s.conn
     cdef Py_ssize_t m = len(<bytes>data)
     cdef Py_ssize_t n = m + 5
-    if (
-        n > conn.peer_max_frame
-        or n > conn.send_window
-        or n > conn.peer_initial_window + s.send_credit
-        or conn.write_paused is not None
-        or s._done
-    ):
+    if not _fits(conn, s, n):
         return False
     cdef Py_ssize_t sid = s.sid
     cdef uint8_t* o
@@ -2217,15 +2222,7 @@ def write_lane(s, object data):
         _send(conn, hdr)
     # DATA_MSG.pack((n << 8) | DATA, 0, sid, 0, n - 5) + data
     out = PyBytes_FromStringAndSize(NULL, 9 + n)
-    o = <uint8_t*>PyBytes_AS_STRING(out)
-    o[0] = <uint8_t>(n >> 16); o[1] = <uint8_t>(n >> 8); o[2] = <uint8_t>n
-    o[3] = 0; o[4] = 0
-    o[5] = <uint8_t>(sid >> 24); o[6] = <uint8_t>(sid >> 16); o[7] = <uint8_t>(sid >> 8)
-    o[8] = <uint8_t>sid
-    o[9] = 0
-    o[10] = <uint8_t>(m >> 24); o[11] = <uint8_t>(m >> 16); o[12] = <uint8_t>(m >> 8)
-    o[13] = <uint8_t>m
-    memcpy(o + 14, PyBytes_AS_STRING(<bytes>data), m)
+    memcpy(_data_head(<uint8_t*>PyBytes_AS_STRING(out), sid, m), PyBytes_AS_STRING(<bytes>data), m)
     _send(conn, out)
     conn.send_window -= n
     s.send_credit -= n
