@@ -229,3 +229,53 @@ def test_e2e_capacity_sweep_runs_each_capacity_on_its_own_fleet(
     assert doc["policies"]["kv"]["hit_rate"] == 0.2  # the --capacity-blocks (1,000) run
     assert set(doc["by_capacity"]) == {"500", "1000", "5000"}
     assert (out / "capacity_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.envoy
+def test_peers_behind_envoy_get_the_load_through_an_envoy_of_their_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sys
+
+    from kvscorer_tools.bench.e2e import peers
+
+    # The stand-in "peer": an idle process, with the first sim's URL as its address, so the
+    # run needs no peer installed; what is checked is the path in front of it.
+    peer_urls: list[str] = []
+
+    def stand_in(name: str, group: Any, fleet: Any, settings: E2ESettings) -> Any:
+        proc = group.start(name, [sys.executable, "-c", "import time; time.sleep(300)"])
+        peer_urls.append(fleet.specs[0].url)
+        return proc, fleet.specs[0].url
+
+    sent_to: list[str] = []
+    real_run_load = peers.run_load
+
+    def spy(url: str, *args: Any) -> Any:
+        sent_to.append(url)
+        return real_run_load(url, *args)
+
+    monkeypatch.setattr(peers, "start_peer", stand_in)
+    monkeypatch.setattr(peers, "run_load", spy)
+    out = tmp_path / "o"
+    rc = main([
+        "bench", "--mode", "e2e", "--workload", "shared-prefix", "--out", str(out),
+        "--workers", "2", "--capacity-blocks", "64", "--block-size", "16",
+        "--param", "groups=1", "--param", "prompts_per_group=3",
+        "--param", "system_tokens=64", "--param", "question_tokens=16",
+        "--param", "output_tokens=4", "--param", "rate=2", "--time-scale", "10",
+        "--policies", "vllm_router_kv_aware", "--repeats", "1", "--peers-behind-envoy",
+    ])  # fmt: skip
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["peers_behind_envoy"] is True
+    r = doc["policies"]["vllm_router_kv_aware"]
+    assert r["errors"] == 0 and r["requests"] == 3
+    # The load went to another listener than the stand-in's (Envoy's), and every request
+    # reached the sim behind the stand-in's address, none the other: Envoy forwarded them.
+    [url] = sent_to
+    [peer] = peer_urls
+    assert url.endswith("/v1/completions") and not url.startswith(peer)
+    [run] = r["runs"]
+    assert run["breakdown"]["per_worker"]["requests"] == [3, 0]

@@ -161,6 +161,13 @@ def register(subparsers: Any) -> None:
         default=1,
         help="e2e: Envoy's worker threads in front of our scorer (its --concurrency)",
     )
+    p.add_argument(
+        "--peers-behind-envoy",
+        action="store_true",
+        help="e2e: put each peer router behind an Envoy of its own (a plain route, "
+        "--envoy-concurrency threads), as behind a gateway a user already runs, so every "
+        "path has Envoy's hop; its CPU counts as the router's. Default: straight to the peer",
+    )
     p.set_defaults(func=run)
 
 
@@ -213,6 +220,7 @@ def settings_of(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]
         "sweep_capacity": args.sweep_capacity,
         "concurrency": args.concurrency,
         "envoy_concurrency": args.envoy_concurrency,
+        "peers_behind_envoy": args.peers_behind_envoy,
         "repeats": args.repeats,
         "workload_params": parse_params(args.param),
         "trace": args.trace,
@@ -316,6 +324,7 @@ def run_e2e_mode(args: argparse.Namespace, wl: Workload, policies: list[str]) ->
             seed=args.seed,
             concurrency=args.concurrency,
             envoy_concurrency=args.envoy_concurrency,
+            peers_behind_envoy=args.peers_behind_envoy,
             policy_options=args.policy_options,
             run_dir=out / "run" / f"cap-{cap or 'unbounded'}",
         )

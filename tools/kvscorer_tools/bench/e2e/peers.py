@@ -13,6 +13,10 @@
   ``--kv-event-source WORKER_URL=ENDPOINT``, ``--kv-event-replay-source``,
   ``--kv-event-block-size``, ``--kv-event-model``.
 
+With ``E2ESettings.peers_behind_envoy`` each peer gets an Envoy of its own in front (a plain
+route to the peer, no ext_proc: `scorer.envoyproc.render_envoy_config`'s `direct`
+listener, the overhead benchmark's "Envoy alone"), and the load goes to that Envoy.
+
 The ``round_robin`` policy of each (``sglang_round_robin``, ``vllm_router_round_robin``) is
 available too (the overhead benchmark runs it). All are optional
 (``pip install -e './tools[peers]'``). A peer that is not installed,
@@ -21,8 +25,10 @@ does not start or fails its requests gets ``{"error": "..."}`` in the results an
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kvscorer_tools.bench.e2e.breakdown import add_breakdown, log_marks
@@ -95,6 +101,21 @@ def start_peer(
     return proc, base
 
 
+@contextlib.contextmanager
+def front_envoy(base: str, settings: E2ESettings) -> Iterator[tuple[str, int]]:
+    """An Envoy routing everything to the router at `base` (http://ip:port), no ext_proc:
+    yields (its URL, its pid)."""
+    from kvscorer_tools.envoyrun import EnvoyProcess
+    from scorer.envoyproc import render_envoy_config
+
+    cfg = render_envoy_config(
+        0, free_port(), 0, direct_backends=[base.removeprefix("http://")], direct_port=0
+    )
+    with EnvoyProcess(cfg, concurrency=settings.envoy_concurrency) as envoy:
+        assert envoy.proc is not None
+        yield f"http://127.0.0.1:{envoy.listener_ports['direct']}", envoy.proc.pid
+
+
 def run_peer(
     name: str, group: ProcGroup, fleet: SimFleet, wl: Workload, settings: E2ESettings
 ) -> dict[str, Any]:
@@ -102,23 +123,41 @@ def run_peer(
     fleet.reset()
     proc, base = start_peer(name, group, fleet, settings)
     try:
-        before = fleet.counters()
-        # sglang-router 0.3.2 accepts only text prompts on /v1/completions (HTTP 422 for
-        # token ids): it gets the same prompts as "t<id>" words (see completion_body).
-        text = PEER_POLICIES[name][0] == "sglang_router"
-        marks = log_marks(fleet.request_logs)
-        cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": [proc.pid]})
-        res = run_load(base + "/v1/completions", wl, settings, name, text)
-        cpu_s = cpu.done()
-        after = fleet.counters()
-        out = summarize(res, before, after, settings.speed, len(wl))
-        add_breakdown(out, res, fleet, marks, settings.speed, name)
-        out["cpu_s"] = cpu_s
-        if res.done == 0:
-            raise PeerError(f"every request failed; first: {res.first_error}\n{proc.log_tail()}")
-        return out
+        with contextlib.ExitStack() as stack:
+            router = [proc.pid]
+            if settings.peers_behind_envoy:
+                base, envoy_pid = stack.enter_context(front_envoy(base, settings))
+                router.append(envoy_pid)
+            return _measure(name, proc, base, router, fleet, wl, settings)
     finally:
         group.stop(proc)
+
+
+def _measure(
+    name: str,
+    proc: Proc,
+    base: str,
+    router: list[int],
+    fleet: SimFleet,
+    wl: Workload,
+    settings: E2ESettings,
+) -> dict[str, Any]:
+    """Run the workload through `base` (the peer, or its Envoy) and summarize it."""
+    before = fleet.counters()
+    # sglang-router 0.3.2 accepts only text prompts on /v1/completions (HTTP 422 for
+    # token ids): it gets the same prompts as "t<id>" words (see completion_body).
+    text = PEER_POLICIES[name][0] == "sglang_router"
+    marks = log_marks(fleet.request_logs)
+    cpu = CpuMeter({"sims": [p.pid for p in fleet.procs], "router": router})
+    res = run_load(base + "/v1/completions", wl, settings, name, text)
+    cpu_s = cpu.done()
+    after = fleet.counters()
+    out = summarize(res, before, after, settings.speed, len(wl))
+    add_breakdown(out, res, fleet, marks, settings.speed, name)
+    out["cpu_s"] = cpu_s
+    if res.done == 0:
+        raise PeerError(f"every request failed; first: {res.first_error}\n{proc.log_tail()}")
+    return out
 
 
 __all__ = [
@@ -126,6 +165,7 @@ __all__ = [
     "PEER_POLICIES",
     "ROUTING_PEERS",
     "PeerError",
+    "front_envoy",
     "peer_argv",
     "run_peer",
     "start_peer",

@@ -65,3 +65,8 @@ class E2ESettings:
     # Each sim logs its requests (`kv-scorer sim --request-log`) and each policy's entry
     # gets the TTFT breakdown per leg and per worker (breakdown.py).
     request_log: bool = True
+    # The peers behind an Envoy of their own (a plain route, no ext_proc, as many worker
+    # threads as ours): the install a user with a gateway would run, gateway -> router ->
+    # engines, so every router's path has Envoy's hop in it and only the picking differs.
+    # Off: the load goes straight to the peer, the peers' lightest setup.
+    peers_behind_envoy: bool = False
