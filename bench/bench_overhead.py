@@ -17,7 +17,11 @@ Paths, all in front of the same two `kv-scorer sim --speed 1000` workers (loopba
   uses it). Started with the e2e harness (kvscorer_tools.bench.e2e.ScorerRun);
 * `peer:<name>`: sglang-router 0.3.2 and vllm-router 0.1.17 (round_robin, cache_aware,
   kv_aware), started by kvscorer_tools.bench.e2e.peers. A peer that is not installed
-  (`pip install -e './tools[peers]'`) is reported as "not installed".
+  (`pip install -e './tools[peers]'`) is reported as "not installed";
+* `peer-envoy:<name>`: the same peer behind an Envoy of its own (a plain route, no
+  ext_proc: kvscorer_tools.bench.e2e.peers.front_envoy), the install of a user who
+  already runs a gateway; its added latency over Envoy alone is then the peer's own, as
+  `kv-scorer:*` paths' is ours. Not in the default set (`--paths` asks for it).
 
 Load: a keep-alive HTTP/1.1 client (bench_extproc.Conn), non-streaming /v1/completions
 with max_tokens 512 (ignore_eos), token-id prompts and the same prompts as text ("t<id>"
@@ -277,12 +281,17 @@ def start_path(path: str, group: ProcGroup, fleet: SimFleet, run_dir: Path) -> I
             procs = {"scorer": run.scorer.pid} | ({"envoy": envoy_pid} if envoy_pid else {})
             yield Target([run.envoy.listener_port], run.scorer.pid, procs)
         return
-    if path.startswith("peer:"):
-        name = path.split(":", 1)[1]
+    if path.startswith(("peer:", "peer-envoy:")):
+        kind, name = path.split(":", 1)
         settings = E2ESettings(workers=len(fleet.specs), block_size=16, run_dir=run_dir)
         proc, base = peer_mod.start_peer(name, group, fleet, settings)
         try:
-            yield Target([int(base.rsplit(":", 1)[1])], procs={"router": proc.pid})
+            with contextlib.ExitStack() as stack:
+                procs = {"router": proc.pid}
+                if kind == "peer-envoy":
+                    base, envoy_pid = stack.enter_context(peer_mod.front_envoy(base, settings))
+                    procs["envoy"] = envoy_pid
+                yield Target([int(base.rsplit(":", 1)[1])], procs=procs)
         finally:
             group.stop(proc)
         return

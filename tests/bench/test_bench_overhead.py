@@ -8,6 +8,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -77,3 +79,51 @@ def test_cpu_breakdown_is_per_request_and_the_median_over_repeats() -> None:
 def test_machine_ticks_count_busy_within_total() -> None:
     busy, total = load().machine_ticks()
     assert 0 < busy < total
+
+
+@pytest.mark.envoy
+def test_a_peer_behind_envoy_is_reached_through_an_envoy_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from kvscorer_tools.bench.procs import ProcGroup
+
+    bo = load()
+
+    class Peer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"peer")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Peer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    peer_port = server.server_address[1]
+    group = ProcGroup(tmp_path / "logs")
+
+    # The stand-in peer: an idle process (what start_path stops) at the server's address.
+    def stand_in(name: str, group: Any, fleet: Any, settings: Any) -> Any:
+        idle = group.start(name, [sys.executable, "-c", "import time; time.sleep(60)"])
+        return idle, f"http://127.0.0.1:{peer_port}"
+
+    monkeypatch.setattr(bo.peer_mod, "start_peer", stand_in)
+    try:
+        path = bo.start_path("peer-envoy:x", group, SimpleNamespace(specs=[]), tmp_path)
+        with path as target:
+            [port] = target.ports
+            assert port != peer_port and set(target.procs) == {"router", "envoy"}
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+                assert r.read() == b"peer"
+        with bo.start_path("peer:x", group, SimpleNamespace(specs=[]), tmp_path) as target:
+            assert target.ports == [peer_port] and set(target.procs) == {"router"}
+    finally:
+        group.stop_all()
+        server.shutdown()
