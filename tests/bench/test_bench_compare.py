@@ -36,6 +36,22 @@ def test_parents_are_the_longest_shared_prefix_of_hash_ids() -> None:
         assert len(longer) == n or all(h[: n + 1] != longer for h in wl.hash_ids[:i])
 
 
+def test_parents_of_a_workload_without_hash_ids_come_from_its_block_keys() -> None:
+    wl = load_workload("prefix-groups").slice(60, 1.0)
+    assert wl.hash_ids is None
+    keys = RequestKeys(wl, 512)
+    par = parents(wl, keys)
+    assert len(par) == len(wl.requests) and par[0] == (-1, 0)
+    # The groups' shared prefixes make parents; each shares its blocks with its parent.
+    assert any(j >= 0 for j, _ in par)
+    for i, (j, n) in enumerate(par):
+        if j >= 0:
+            assert j < i and n >= 1 and keys.keys[i][:n] == keys.keys[j][:n]
+            assert len(keys.keys[i]) == n or keys.keys[i][n] not in {
+                k[n] for k in keys.keys[:i] if len(k) > n and k[:n] == keys.keys[i][:n]
+            }
+
+
 def test_following_a_replays_own_routing_reproduces_it(tmp_path: Path) -> None:
     """Sent where a replay sent them, the requests find the same cache hits (the check the
     comparison makes against an e2e run), and the policy's dry run picks the same worker

@@ -4,11 +4,14 @@ The e2e run writes one joined row per request (`OUT/run/cap-N/requests/POLICY.js
 worker, the sim's cached tokens, arrival, prefill step; keyed by the prompt's token ids).
 This replays the same requests with the same policy and joins both per request, then
 says where hit rate was lost: for each request whose prompt continues an earlier one
-(its "parent": the earlier request sharing the longest prefix of hash ids), whether it
+(its "parent": the earlier request sharing the longest prefix of blocks: a Mooncake
+trace's hash ids, any other workload's full-block keys), whether it
 went to the parent's worker, and how many of the shared tokens were found cached.
 
     .venv/bin/python -m kvscorer_tools.bench.compare \\
         --rows bench/out/e2e-mooncake/run/cap-1000/requests --max-requests 800
+    .venv/bin/python -m kvscorer_tools.bench.compare --workload rag \
+        --rows bench/out/e2e-rag/run/cap-1000/requests --max-requests 600
 
 It also replays the e2e run's own routing (each request sent to the worker the e2e run
 chose) to check the replay's engine and cache model against the e2e sims per request,
@@ -154,12 +157,19 @@ def e2e_rows(path: Path, wl: Workload) -> list[dict[str, Any] | None]:
     return out
 
 
-def parents(wl: Workload) -> list[tuple[int, int]]:
-    """Per request: (earlier request sharing the longest hash-id prefix, shared ids)."""
-    assert wl.hash_ids is not None
+def parents(wl: Workload, keys: RequestKeys | None = None) -> list[tuple[int, int]]:
+    """Per request: (earlier request sharing the longest prefix of blocks, shared blocks).
+    The blocks are a Mooncake trace's hash ids, else (every other workload) the prompts'
+    full-block keys from `keys`."""
+    if wl.hash_ids is not None:
+        chains: Sequence[Sequence[int]] = wl.hash_ids
+    else:
+        assert keys is not None, "a workload without hash ids needs its block keys"
+        chains = keys.keys
     seen: dict[tuple[int, ...], int] = {}  # prefix -> latest request holding it
     out: list[tuple[int, int]] = []
-    for i, h in enumerate(wl.hash_ids):
+    for i, chain in enumerate(chains):
+        h = tuple(chain)
         best = (-1, 0)
         for n in range(len(h), 0, -1):
             j = seen.get(h[:n])
@@ -301,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     wl = load_workload(args.workload).slice(args.max_requests, 1.0)
     keys = RequestKeys(wl, 512)
     settings = ReplaySettings(capacity_blocks=args.capacity_blocks, seed=args.seed)
-    par = parents(wl)
+    par = parents(wl, keys)
     report: dict[str, Any] = {}
     for pol in [p for p in args.policies.split(",") if p]:
         own = replay_rows(wl, keys, pol, settings)
