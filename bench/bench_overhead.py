@@ -62,8 +62,7 @@ from bench_extproc import Conn, cpu_seconds, pct  # noqa: E402
 from kvscorer_tools.bench.e2e import E2ESettings, ScorerRun, SimFleet  # noqa: E402
 from kvscorer_tools.bench.e2e import peers as peer_mod  # noqa: E402
 from kvscorer_tools.bench.e2e.settings import MODEL  # noqa: E402
-from kvscorer_tools.bench.procs import ProcGroup, free_port  # noqa: E402
-from kvscorer_tools.envoyrun import EnvoyProcess  # noqa: E402
+from kvscorer_tools.bench.procs import ProcGroup  # noqa: E402
 
 SHAPES = ("local", "local-full", "istio", "envoy-ai-gateway", "kgateway")
 LOCAL_SHAPES = ("local", "local-full")
@@ -236,16 +235,10 @@ class TokenizerScorerRun(ScorerRun):
 def envoy_alone(fleet: SimFleet) -> Iterator[list[int]]:
     """Envoy alone in front of the workers (round robin, no ext_proc): its listener port
     (ENVOY_ALONE_PID[0] holds its pid while it runs, for the CPU breakdown)."""
-    from scorer.envoyproc import render_envoy_config
-
-    cfg = render_envoy_config(
-        0, free_port(), 0, direct_backends=[s.endpoint for s in fleet.specs], direct_port=0
-    )
-    with EnvoyProcess(cfg, concurrency=1) as envoy:
-        assert envoy.proc is not None
-        ENVOY_ALONE_PID[:] = [envoy.proc.pid]
+    with peer_mod.plain_envoy([s.endpoint for s in fleet.specs]) as (port, pid):
+        ENVOY_ALONE_PID[:] = [pid]
         try:
-            yield [envoy.listener_ports["direct"]]
+            yield [port]
         finally:
             ENVOY_ALONE_PID.clear()
 

@@ -10,7 +10,7 @@ went to the parent's worker, and how many of the shared tokens were found cached
 
     .venv/bin/python -m kvscorer_tools.bench.compare \\
         --rows bench/out/e2e-mooncake/run/cap-1000/requests --max-requests 800
-    .venv/bin/python -m kvscorer_tools.bench.compare --workload rag \
+    .venv/bin/python -m kvscorer_tools.bench.compare --workload rag \\
         --rows bench/out/e2e-rag/run/cap-1000/requests --max-requests 600
 
 It also replays the e2e run's own routing (each request sent to the worker the e2e run

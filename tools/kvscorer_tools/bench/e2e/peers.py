@@ -102,18 +102,24 @@ def start_peer(
 
 
 @contextlib.contextmanager
-def front_envoy(base: str, settings: E2ESettings) -> Iterator[tuple[str, int]]:
-    """An Envoy routing everything to the router at `base` (http://ip:port), no ext_proc:
-    yields (its URL, its pid)."""
+def plain_envoy(backends: list[str], concurrency: int = 1) -> Iterator[tuple[int, int]]:
+    """Envoy round-robining to `backends` (ip:port) with no ext_proc (the `direct`
+    listener of scorer.envoyproc.render_envoy_config): yields (its port, its pid)."""
     from kvscorer_tools.envoyrun import EnvoyProcess
     from scorer.envoyproc import render_envoy_config
 
-    cfg = render_envoy_config(
-        0, free_port(), 0, direct_backends=[base.removeprefix("http://")], direct_port=0
-    )
-    with EnvoyProcess(cfg, concurrency=settings.envoy_concurrency) as envoy:
+    cfg = render_envoy_config(0, free_port(), 0, direct_backends=backends, direct_port=0)
+    with EnvoyProcess(cfg, concurrency=concurrency) as envoy:
         assert envoy.proc is not None
-        yield f"http://127.0.0.1:{envoy.listener_ports['direct']}", envoy.proc.pid
+        yield envoy.listener_ports["direct"], envoy.proc.pid
+
+
+@contextlib.contextmanager
+def front_envoy(base: str, settings: E2ESettings) -> Iterator[tuple[str, int]]:
+    """An Envoy routing everything to the router at `base` (http://ip:port): yields (its
+    URL, its pid)."""
+    with plain_envoy([base.removeprefix("http://")], settings.envoy_concurrency) as (port, pid):
+        yield f"http://127.0.0.1:{port}", pid
 
 
 def run_peer(
@@ -167,6 +173,7 @@ __all__ = [
     "PeerError",
     "front_envoy",
     "peer_argv",
+    "plain_envoy",
     "run_peer",
     "start_peer",
 ]
